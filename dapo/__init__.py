@@ -1,0 +1,1 @@
+"""dapo: asynchronous actor-learner RL for LLMs with DAPO (the pure library)."""

@@ -1,0 +1,91 @@
+"""The ``dapo`` command.
+
+A thin dispatcher. Library work (``dapo data inspect``, ``dapo config``) runs here; every
+service subcommand replaces this process with ``python -m <service module>`` so that signals
+(Ctrl-C, SIGTERM) reach the service directly and ``dapo/`` stays free of process code and of
+imports of ``actors`` or ``learner``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from dapo.runtime import service_env
+
+# subcommand -> (module run with `python -m`, one-line help)
+SERVICES: dict[str, tuple[str, str]] = {
+    "run": ("learner.launch", "start a learner and N actors locally and train (the main job)"),
+    "learner": ("learner", "start the learner pool (torchrun, FSDP2) with its coordinator and replay queue"),
+    "actor": ("actors", "start one rollout actor: `dapo actor --learner HOST:PORT [overrides]`"),
+    "sweep": ("learner.sweep", "run the same config over a list of settings (staleness, algorithm presets)"),
+    "eval": ("actors.evaluate", "avg@k / pass@k of a model on a verl-format dataset: `dapo eval MODEL DATA`"),
+    "export": ("learner.export", "write an HF folder from a checkpoint: `dapo export CKPT OUT`"),
+}
+
+EPILOG = """\
+Hydra overrides follow the subcommand, e.g.
+  dapo run algorithm=grpo algorithm.max_staleness_steps=2 run.num_actors=2
+  dapo learner transport.host=0.0.0.0 transport.auth_token=SECRET
+  dapo actor --learner 10.0.0.5:50051 transport.auth_token=SECRET
+Every key is documented in dapo/config.py; `dapo config [overrides]` prints the resolved config.
+"""
+
+
+def _exec_service(module: str, argv: list[str]) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        print(f"dapo: `{module}` is not built yet in this version of dapo.", file=sys.stderr)
+        raise SystemExit(2)
+    env = {**os.environ, **service_env()}
+    os.execvpe(sys.executable, [sys.executable, "-m", module, *argv], env)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog="dapo", description="Asynchronous actor-learner RL for LLMs with DAPO.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in SERVICES.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    cfg_p = sub.add_parser("config", help="print the resolved config for the given overrides")
+    cfg_p.add_argument("overrides", nargs="*")
+    data_p = sub.add_parser("data", help="dataset tools: `dapo data inspect FILE`")
+    data_sub = data_p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    insp = data_sub.add_parser("inspect", help="show how a dataset's rows render into prompts")
+    insp.add_argument("file", help="verl-format .parquet or .jsonl, or `builtin`")
+    insp.add_argument("-n", "--rows", type=int, default=3, help="rows to show (default 3)")
+    insp.add_argument("overrides", nargs="*", help="config overrides (model, data.prompt_template, ...)")
+
+    if argv and argv[0] in SERVICES:  # services parse their own arguments (and --help)
+        _exec_service(SERVICES[argv[0]][0], argv[1:])
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        raise SystemExit(2)
+    if args.command == "config":
+        _print_config(args.overrides)
+    elif args.command == "data":
+        from dapo.data import inspect_main
+
+        inspect_main(args.file, args.rows, args.overrides)
+
+
+def _print_config(overrides: list[str]) -> None:
+    from omegaconf import OmegaConf
+
+    from dapo.config import ConfigError, load_config, to_dict
+
+    try:
+        cfg = load_config(overrides)
+    except ConfigError as exc:
+        print(f"dapo: {exc}", file=sys.stderr)
+        raise SystemExit(2)
+    print(OmegaConf.to_yaml(to_dict(cfg)), end="")
+
+
+if __name__ == "__main__":
+    main()

