@@ -1,0 +1,139 @@
+"""Plots and tables of run metrics (pure: reads records, writes PNG/Markdown files).
+
+A record is one line of a run's ``metrics.jsonl`` (see learner/metrics.py): a flat dict with
+``step``, ``time_s`` and namespaced keys such as ``train/accuracy`` or ``eval/accuracy``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+Record = Mapping[str, float]
+
+# (metric key, panel title) of the run plot; each is drawn against step and against wall time.
+RUN_PANELS: tuple[tuple[tuple[str, ...], str], ...] = (
+    (("eval/accuracy", "train/accuracy"), "accuracy"),
+    (("train/reward",), "reward (shaped)"),
+    (("train/entropy",), "entropy (nats/token)"),
+    (("train/response_length_tokens",), "response length (tokens)"),
+)
+
+
+def read_metrics(path: str | Path) -> list[dict[str, float]]:
+    """Records of a metrics.jsonl file; a torn last line (a run killed mid-write) is skipped."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def series(records: Iterable[Record], key: str, x: str = "step") -> tuple[list[float], list[float]]:
+    """(xs, ys) of the records that have ``key`` (and a finite value for it)."""
+    xs, ys = [], []
+    for r in records:
+        v = r.get(key)  # metrics are sparse (eval every K steps): absence is data, not config
+        if v is not None and x in r and math.isfinite(float(v)):
+            xs.append(float(r[x]))
+            ys.append(float(v))
+    return xs, ys
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: never needs a display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_run(records: Sequence[Record], out_png: str | Path, title: str = "") -> Path:
+    """Accuracy, reward, entropy and response length against step (top) and wall time (bottom)."""
+    plt = _plt()
+    fig, axes = plt.subplots(2, len(RUN_PANELS), figsize=(4.2 * len(RUN_PANELS), 7), squeeze=False)
+    for col, (keys, name) in enumerate(RUN_PANELS):
+        for row, x in enumerate(("step", "time_s")):
+            ax = axes[row][col]
+            for key in keys:
+                xs, ys = series(records, key, x)
+                if xs:
+                    ax.plot(xs, ys, marker="." if key.startswith("eval/") else None, label=key)
+            ax.set_title(name)
+            ax.set_xlabel("training step" if x == "step" else "wall time (s)")
+            ax.grid(alpha=0.3)
+            if len(keys) > 1:
+                ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(out_png)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def time_to_target(records: Sequence[Record], key: str, target: float) -> tuple[float, float] | None:
+    """(step, time_s) of the first record with ``key`` >= target, or None if never reached."""
+    for r in records:
+        v = r.get(key)
+        if v is not None and float(v) >= target:
+            return float(r["step"]), float(r["time_s"])
+    return None
+
+
+def plot_sweep(runs: Mapping[str, Sequence[Record]], out_png: str | Path, key: str = "eval/accuracy",
+               title: str = "") -> Path:
+    """One curve per run: ``key`` against step and against wall time, plus staleness and idle bars."""
+    plt = _plt()
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
+    labels = list(runs)
+    for label in labels:
+        for ax, x in zip(axes[:2], ("step", "time_s")):
+            xs, ys = series(runs[label], key, x)
+            ax.plot(xs, ys, marker=".", label=label)
+    axes[0].set_xlabel("training step")
+    axes[1].set_xlabel("wall time (s)")
+    for ax in axes[:2]:
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    # Staleness histogram: mean over steps of the per-step staleness histogram, if logged.
+    width = 0.8 / max(len(labels), 1)
+    for i, label in enumerate(labels):
+        hist: dict[int, float] = {}
+        for r in runs[label]:
+            for k, v in r.items():
+                if k.startswith("staleness/hist_"):
+                    hist[int(k.rsplit("_", 1)[1])] = hist.get(int(k.rsplit("_", 1)[1]), 0.0) + float(v)
+        if hist:
+            total = sum(hist.values()) or 1.0
+            ks = sorted(hist)
+            axes[2].bar([k + i * width for k in ks], [hist[k] / total for k in ks], width=width, label=label)
+    axes[2].set_xlabel("staleness of trained samples (versions)")
+    axes[2].set_ylabel("fraction of samples")
+    axes[2].legend(fontsize=8)
+    idle = [(_mean(runs[lb], "actors/idle_fraction"), _mean(runs[lb], "learner/idle_fraction")) for lb in labels]
+    xs = range(len(labels))
+    axes[3].bar([x - 0.2 for x in xs], [a for a, _ in idle], width=0.4, label="actors idle")
+    axes[3].bar([x + 0.2 for x in xs], [b for _, b in idle], width=0.4, label="learner idle")
+    axes[3].set_xticks(list(xs), labels, rotation=20, fontsize=8)
+    axes[3].set_ylabel("idle fraction")
+    axes[3].legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(out_png)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def _mean(records: Sequence[Record], key: str) -> float:
+    _, ys = series(records, key)
+    return sum(ys) / len(ys) if ys else float("nan")
