@@ -39,6 +39,7 @@ class ModelConfig:
     """Longest prompt + response the engines must support, in tokens."""
 
     def __post_init__(self) -> None:
+        _check(bool(self.path), "model.path", self.path, "a HF model folder or builtin:tiny")
         _check(self.dtype in ("float32", "bfloat16"), "model.dtype", self.dtype, "float32 or bfloat16")
         _check(self.max_model_len_tokens > 0, "model.max_model_len_tokens", self.max_model_len_tokens, "> 0")
 
@@ -63,6 +64,7 @@ class DataConfig:
     """Size of the built-in task's held-out set (prompts)."""
 
     def __post_init__(self) -> None:
+        _check(bool(self.train_path), "data.train_path", self.train_path, "builtin or a .parquet/.jsonl file")
         _check(self.prompt_template in ("auto", "chat", "dapo", "raw"), "data.prompt_template",
                self.prompt_template, "one of auto, chat, dapo, raw")
         _check(self.max_prompt_tokens > 0, "data.max_prompt_tokens", self.max_prompt_tokens, "> 0")

@@ -1,0 +1,14 @@
+# dapo actor: one vLLM engine per container. Scale with `docker compose up --scale actor=N`
+# or `kubectl scale deployment/dapo-actor --replicas=N`.
+FROM vllm/vllm-openai:v0.33.0
+WORKDIR /app
+COPY pyproject.toml README.md /app/
+COPY dapo /app/dapo
+COPY actors /app/actors
+COPY learner /app/learner
+COPY protos /app/protos
+# vLLM and its CUDA torch come with the base image; install dapo's own dependencies only.
+RUN pip install --no-cache-dir /app
+ENV OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1
+ENTRYPOINT ["dapo", "actor"]
+CMD ["--help"]
