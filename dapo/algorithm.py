@@ -1,0 +1,394 @@
+"""The DAPO objective: pure functions, to be read next to the paper.
+
+DAPO: Yu et al., "DAPO: An Open-Source LLM Reinforcement Learning System at Scale",
+arXiv 2503.14476. With a group of G responses o_i to a prompt q (Eq. 8-12)::
+
+    J(θ) = E[ 1/Σ_i|o_i| · Σ_i Σ_t min( r_it·Â_it, clip(r_it, 1-ε_low, 1+ε_high)·Â_it ) ]
+           s.t. 0 < |{o_i : o_i is correct}| < G                          (dynamic sampling)
+    Â_it = (R_i - mean_j R_j) / std_j R_j                                  (group advantage)
+    R_overlong(|y|) = 0                          if |y| <= L_max - L_cache  (Eq. 13)
+                      ((L_max - L_cache) - |y|) / L_cache  if L_max - L_cache < |y| <= L_max
+                      -1                         if |y| > L_max
+
+Asynchronous form used here (decoupled PPO, Hilton et al. 2021, plus truncated importance
+sampling), per token, with π_prox recomputed by the learner and μ the sampler::
+
+    u_t = π_θ / π_prox,   w_t = min(π_prox / μ, C)    (w_t detached)
+    L_t = w_t · max(-Â·u_t, -Â·clip(u_t, 1-ε_low, 1+ε_high))   [dual clip: min(·, -Â·c) if Â < 0]
+    L   = Σ_t L_t / (unmasked tokens of the whole mini-batch, all micro-batches and ranks)
+
+Deviations from the paper (each a choice the paper leaves open or a documented extension):
+
+1. The token mean runs over the whole mini-batch, not per prompt group (as verl, TRL, OpenRLHF).
+2. std is the unbiased (Bessel-corrected) std; Â = (R - mean) / (std + eps), eps = 1e-6.
+   Zero-variance groups give exactly 0 and size-1 groups give 0 (verl gives a size-1 group Â = R).
+3. The log-ratio is clamped to ±20 before exp (as verl), so u cannot overflow.
+4. Optional extensions, off in the paper: dual clip c (Ye et al. 2020), the truncated
+   importance weight w (Yao et al. 2025), and the GRPO / Dr.GRPO aggregations for the ablations.
+5. ``seq-mean-token-sum-norm`` (Dr.GRPO) divides by num_seqs · token_sum_norm as in the Dr.GRPO
+   paper and TRL's ``dr_grpo``; verl divides by token_sum_norm only (a constant factor B larger).
+6. Dynamic sampling streams: groups are filtered one by one as they arrive rather than in
+   generation batches, with a budget of consecutive drops instead of verl's generation-batch cap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from dapo.config import AGG_MODES, AlgorithmConfig
+
+__all__ = [
+    "group_advantages", "policy_loss", "loss_kwargs", "overlong_penalty", "overlong_filter_mask",
+    "DynamicSamplingFilter", "DynamicSamplingStalled", "FilterStats",
+]
+
+LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: beyond this the ratio is noise anyway (verl's bound)
+
+
+# ---------------------------------------------------------------- advantages
+
+
+def group_advantages(rewards: Any, group_ids: Any, *, eps: float = 1e-6,
+                     std_normalize: bool = True) -> torch.Tensor:
+    """Group-normalised advantage of each sequence: Â_i = (R_i - mean_g) / (std_g + eps).
+
+    rewards: [B] float (one scalar per sequence); group_ids: [B] int, any values (the prompt's
+    group). Returns [B] in the rewards' float dtype (float32 for integer input).
+    ``std_normalize=False`` gives Dr.GRPO's Â_i = R_i - mean_g. std is unbiased (n - 1).
+    A group whose rewards are all equal, or that has one member, gets exactly 0.
+    """
+    r = torch.as_tensor(rewards)
+    r = r if r.is_floating_point() else r.to(torch.float32)
+    gid = torch.as_tensor(group_ids, device=r.device)
+    if r.ndim != 1 or gid.shape != r.shape:
+        raise ValueError(f"rewards and group_ids must both be [B]; got {tuple(r.shape)} and "
+                         f"{tuple(gid.shape)}")
+    _, idx = torch.unique(gid, return_inverse=True)  # groups -> 0..K-1
+    k = int(idx.max()) + 1 if idx.numel() else 0
+    count = torch.zeros(k, dtype=r.dtype, device=r.device).index_add_(0, idx, torch.ones_like(r))
+    mean = torch.zeros_like(count).index_add_(0, idx, r) / count
+    centred = r - mean[idx]
+    var = torch.zeros_like(count).index_add_(0, idx, centred * centred) / (count - 1).clamp(min=1)
+    # max == min is an exact test; `centred` of equal floats need not be exactly 0 after the mean.
+    hi = torch.full_like(count, -torch.inf).scatter_reduce_(0, idx, r, "amax")
+    lo = torch.full_like(count, torch.inf).scatter_reduce_(0, idx, r, "amin")
+    no_signal = (hi == lo) | (count < 2)
+    adv = centred / (var.sqrt()[idx] + eps) if std_normalize else centred
+    return torch.where(no_signal[idx], torch.zeros_like(adv), adv)
+
+
+# ---------------------------------------------------------------- policy loss
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    logp_prox: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    clip_c: Optional[float] = None,
+    behavior_logp: Optional[torch.Tensor] = None,
+    tis_cap: Optional[float] = None,
+    agg: str = "token-mean",
+    num_tokens: Optional[float] = None,
+    num_seqs: Optional[float] = None,
+    token_sum_norm: Optional[float] = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate loss of one (micro-)batch, to be minimised.
+
+    Shapes: ``logp`` (π_θ, with grad), ``logp_prox`` (π_prox), ``mask`` (bool or 0/1 float,
+    1 = token in the loss) and ``behavior_logp`` (μ, the sampler) are [B, T] log-probs of the
+    sampled tokens; ``advantages`` is [B] (broadcast over tokens) or [B, T].
+
+    - ``clip_c``: dual clip for Â < 0, the loss is capped at -Â·c (c > 1); None = off.
+    - ``behavior_logp`` + ``tis_cap``: multiply by w = min(exp(logp_prox - behavior_logp), tis_cap),
+      detached. ``tis_cap=None`` with behavior_logp gives the untruncated weight; without
+      ``behavior_logp`` there is no weight (w = 1, e.g. bypass mode where π_prox = μ).
+
+    Aggregation (``agg``), with m the mask, n_i = Σ_t m_it and S the sequences with n_i > 0:
+      token-mean               Σ_it m·L / num_tokens                       (DAPO)
+      seq-mean-token-mean      Σ_i [Σ_t m·L / n_i] / num_seqs              (GRPO)
+      seq-mean-token-sum       Σ_it m·L / num_seqs
+      seq-mean-token-sum-norm  Σ_it m·L / (num_seqs · token_sum_norm)      (Dr.GRPO)
+    ``num_tokens`` (Σ m) and ``num_seqs`` (|S|) are the global counts of the whole mini-batch,
+    across micro-batches and ranks: then the losses (and gradients) of any split of a
+    mini-batch sum exactly to the whole's. Left None, the local counts are used.
+    ``token_sum_norm`` is Dr.GRPO's constant, default T of this tensor; pass a fixed value
+    (e.g. actor.max_response_tokens) when micro-batches are padded to different T.
+    Sequences without unmasked tokens contribute 0 (no NaN); an empty batch gives loss 0.
+
+    Metrics (detached 0-d tensors, means over the unmasked tokens of this call):
+    ``clipfrac_high`` (Â > 0, u > 1+ε_high: gradient cut), ``clipfrac_low`` (Â < 0, u < 1-ε_low),
+    ``dualclip_frac``, ``approx_kl_k1`` = mean(log π_prox - log π_θ), ``approx_kl_k3`` =
+    mean(u - 1 - log u), ``importance_weight_mean`` (1 without TIS), ``num_tokens`` (local).
+    """
+    if agg not in AGG_MODES:
+        raise ValueError(f"policy_loss: agg={agg!r} is not one of {AGG_MODES}; "
+                         "set algorithm.loss_agg to one of them.")
+    if clip_c is not None and clip_c <= 1:
+        raise ValueError(f"policy_loss: clip_c={clip_c} must be > 1 (or None to disable dual clip).")
+    if logp.ndim != 2 or logp_prox.shape != logp.shape or mask.shape != logp.shape:
+        raise ValueError(f"policy_loss: logp, logp_prox and mask must share one [B, T] shape; got "
+                         f"{tuple(logp.shape)}, {tuple(logp_prox.shape)}, {tuple(mask.shape)}")
+    if advantages.shape not in (logp.shape[:1], logp.shape):
+        raise ValueError(f"policy_loss: advantages must be [B] or [B, T] = {tuple(logp.shape)}; "
+                         f"got {tuple(advantages.shape)}")
+    m = mask.to(torch.bool)
+    mf = m.to(logp.dtype)
+    adv = (advantages.unsqueeze(-1) if advantages.ndim == 1 else advantages).to(logp.dtype)
+
+    # Padding may hold -inf log-probs: zero the log-ratio there before exp (no NaN in grads).
+    log_ratio = torch.where(m, logp - logp_prox, torch.zeros_like(logp))
+    log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)  # u_t
+    pg_loss1 = -adv * ratio
+    pg_loss2 = -adv * ratio.clamp(1 - eps_low, 1 + eps_high)
+    pg_loss = torch.maximum(pg_loss1, pg_loss2)
+    dual = torch.zeros_like(m)
+    if clip_c is not None:
+        cap = -adv * clip_c
+        dual = (adv < 0) & (pg_loss > cap)
+        pg_loss = torch.where(adv < 0, torch.minimum(pg_loss, cap), pg_loss)
+
+    weight = torch.ones_like(logp)
+    if behavior_logp is not None:
+        if behavior_logp.shape != logp.shape:
+            raise ValueError(f"policy_loss: behavior_logp must be {tuple(logp.shape)}; "
+                             f"got {tuple(behavior_logp.shape)}")
+        log_w = torch.where(m, logp_prox - behavior_logp, torch.zeros_like(logp))
+        weight = torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).detach()
+        if tis_cap is not None:
+            weight = weight.clamp(max=tis_cap)
+    token_loss = torch.where(m, weight * pg_loss, torch.zeros_like(pg_loss))
+
+    loss = _aggregate(token_loss, mf, agg, num_tokens, num_seqs, token_sum_norm)
+
+    n_local = mf.sum()
+    with torch.no_grad():
+        def mean(x: torch.Tensor) -> torch.Tensor:
+            return (x.to(logp.dtype) * mf).sum() / n_local.clamp(min=1)
+
+        metrics = {
+            "clipfrac_high": mean((adv > 0) & (ratio > 1 + eps_high)),
+            "clipfrac_low": mean((adv < 0) & (ratio < 1 - eps_low)),
+            "dualclip_frac": mean(dual),
+            "approx_kl_k1": mean(-log_ratio),
+            "approx_kl_k3": mean(ratio - 1 - log_ratio),
+            "importance_weight_mean": mean(weight),
+            "num_tokens": n_local.detach(),
+        }
+    return loss, metrics
+
+
+def _aggregate(token_loss: torch.Tensor, mf: torch.Tensor, agg: str, num_tokens: Optional[float],
+               num_seqs: Optional[float], token_sum_norm: Optional[float]) -> torch.Tensor:
+    """Reduce masked per-token losses [B, T] to a scalar (see ``policy_loss``)."""
+    seq_tokens = mf.sum(-1)  # n_i
+    if agg == "token-mean":
+        denom = mf.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=mf.dtype)
+        return token_loss.sum() / denom.clamp(min=1)
+    seqs = (seq_tokens > 0).sum() if num_seqs is None else torch.as_tensor(num_seqs)
+    seqs = seqs.to(mf.dtype).clamp(min=1)
+    if agg == "seq-mean-token-mean":
+        return (token_loss.sum(-1) / seq_tokens.clamp(min=1)).sum() / seqs
+    if agg == "seq-mean-token-sum":
+        return token_loss.sum() / seqs
+    norm = mf.shape[-1] if token_sum_norm is None else token_sum_norm
+    return token_loss.sum() / (seqs * norm)
+
+
+def loss_kwargs(cfg: AlgorithmConfig) -> dict[str, Any]:
+    """Keyword arguments of ``policy_loss`` that come from the config (not the batch).
+
+    In ``bypass`` mode π_prox is the sampler's log-prob, so the importance weight is 1 and
+    ``tis_cap`` is dropped; callers then pass no ``behavior_logp``.
+    """
+    return {
+        "eps_low": cfg.eps_low,
+        "eps_high": cfg.eps_high,
+        "clip_c": cfg.clip_c,
+        "tis_cap": cfg.tis_cap if cfg.prox_logp == "recompute" else None,
+        "agg": cfg.loss_agg,
+    }
+
+
+# ---------------------------------------------------------------- overlong shaping
+
+
+def overlong_penalty(length: Any, max_len: int, cache_len: int) -> Any:
+    """Soft overlong punishment, paper Eq. 13, added to the reward.
+
+    0 for length <= max_len - cache_len, then linear down to -1 at max_len, -1 beyond.
+    ``length`` (response tokens; the actors count the EOS token too, as verl and TRL do) may be
+    an int (returns a float), a numpy array or a tensor (returns the same kind, float).
+    ``cache_len = 0`` is a hard punishment: -1 only beyond max_len.
+    """
+    if not 0 <= cache_len <= max_len:
+        raise ValueError(f"overlong_penalty: need 0 <= cache_len <= max_len; got cache_len="
+                         f"{cache_len}, max_len={max_len} (algorithm.overlong_cache_tokens, "
+                         "actor.max_response_tokens)")
+    start = max_len - cache_len
+    if isinstance(length, torch.Tensor):
+        x = length if length.is_floating_point() else length.to(torch.get_default_dtype())
+        if cache_len == 0:
+            return -(x > max_len).to(x.dtype)
+        return ((start - x) / cache_len).clamp(-1.0, 0.0)
+    if isinstance(length, (np.ndarray, list, tuple)):
+        x = np.asarray(length, dtype=np.float64)
+        if cache_len == 0:
+            return -(x > max_len).astype(np.float64)
+        return np.clip((start - x) / cache_len, -1.0, 0.0)
+    if cache_len == 0:
+        return -1.0 if length > max_len else 0.0
+    return float(min(max((start - length) / cache_len, -1.0), 0.0))
+
+
+def overlong_filter_mask(truncated: Any) -> Any:
+    """Overlong filtering: per-sample loss-mask factor, 0.0 for truncated samples, else 1.0.
+
+    ``truncated``: bool [B] (finish reason ``length``) as a tensor (returns a float tensor), an
+    array or list (returns a float64 array), or a bool (returns a float). Multiply each sample's
+    token mask by it; truncated samples still count in their group's advantage statistics.
+    """
+    if isinstance(truncated, torch.Tensor):
+        return (~truncated.to(torch.bool)).to(torch.get_default_dtype())
+    if isinstance(truncated, (bool, np.bool_)):
+        return 0.0 if truncated else 1.0
+    return (~np.asarray(truncated, dtype=bool)).astype(np.float64)
+
+
+# ---------------------------------------------------------------- dynamic sampling
+
+
+class DynamicSamplingStalled(RuntimeError):
+    """Too many consecutive groups were all-correct or all-wrong while a batch was filling."""
+
+
+@dataclass(frozen=True)
+class FilterStats:
+    """What happened while one batch filled (returned by ``DynamicSamplingFilter.take_batch``)."""
+
+    kept_groups: int
+    dropped_all_correct_groups: int
+    dropped_all_wrong_groups: int
+
+    @property
+    def dropped_groups(self) -> int:
+        return self.dropped_all_correct_groups + self.dropped_all_wrong_groups
+
+
+class DynamicSamplingFilter:
+    """Streaming dynamic sampling (paper Sec. 3.2, Algorithm 1).
+
+    Usage: for each scored group, ``if filt.offer(acc): keep(group)``; when ``filt.batch_full``,
+    form a batch of N kept groups and call ``filt.take_batch()`` (per-batch stats). Kept groups
+    beyond N stay counted for the next batch (``pending_groups``), so a caller may keep offering
+    while the learner is busy. ``reset()`` forgets pending groups (e.g. after discarding them).
+
+    A group is kept iff its accuracies are neither all 0 nor all 1: such a group has zero
+    advantage everywhere and carries no gradient. Filter on accuracy, not the shaped reward:
+    overlong penalties make all-wrong groups' rewards differ. ``enabled=False`` keeps everything.
+
+    Stall budget: the ``max_dropped_groups``-th consecutive drop while the batch is not full
+    raises ``DynamicSamplingStalled`` (0 = never). A kept group or ``take_batch`` restarts the
+    count. A streak, not a per-step total, is what "the source only yields uninformative
+    groups" means; a slow but productive source is bounded by learner.batch_wait_timeout_s.
+    """
+
+    def __init__(self, num_groups_per_batch: int, max_dropped_groups: int, *,
+                 enabled: bool = True) -> None:
+        if num_groups_per_batch < 1 or max_dropped_groups < 0:
+            raise ValueError(f"DynamicSamplingFilter: need num_groups_per_batch >= 1 and "
+                             f"max_dropped_groups >= 0; got {num_groups_per_batch}, {max_dropped_groups}")
+        self.num_groups_per_batch = num_groups_per_batch
+        self.max_dropped_groups = max_dropped_groups
+        self.enabled = enabled
+        # lifetime counters
+        self.offered_groups = 0
+        self.kept_groups = 0
+        self.dropped_all_correct_groups = 0
+        self.dropped_all_wrong_groups = 0
+        # state of the batch being filled
+        self.pending_groups = 0
+        self.consecutive_dropped_groups = 0
+        self._streak = [0, 0]  # (all-correct, all-wrong) in the current streak, for the message
+        self._batch = [0, 0, 0]  # (kept, all-correct, all-wrong) since the last take_batch
+
+    @classmethod
+    def from_config(cls, cfg: AlgorithmConfig) -> "DynamicSamplingFilter":
+        return cls(cfg.num_prompts_per_step, cfg.max_filtered_groups_per_step,
+                   enabled=cfg.dynamic_sampling)
+
+    @property
+    def dropped_groups(self) -> int:
+        return self.dropped_all_correct_groups + self.dropped_all_wrong_groups
+
+    @property
+    def batch_full(self) -> bool:
+        return self.pending_groups >= self.num_groups_per_batch
+
+    def offer(self, acc: Sequence[float] | np.ndarray | torch.Tensor) -> bool:
+        """Count one group by its per-sample accuracies (0/1 or bool); True = keep it."""
+        a = np.asarray(acc.detach().cpu() if isinstance(acc, torch.Tensor) else acc, dtype=np.float64)
+        if a.ndim != 1 or a.size == 0 or not np.all((a >= 0) & (a <= 1)):
+            raise ValueError(f"DynamicSamplingFilter.offer: expected a non-empty 1-D list of "
+                             f"accuracies in [0, 1] (one per sample); got {a.tolist()!r}")
+        self.offered_groups += 1
+        all_correct, all_wrong = bool(np.all(a == 1)), bool(np.all(a == 0))
+        if not self.enabled or not (all_correct or all_wrong):
+            self.kept_groups += 1
+            self.pending_groups += 1
+            self._batch[0] += 1
+            self.consecutive_dropped_groups = 0
+            self._streak = [0, 0]
+            return True
+        kind = 0 if all_correct else 1
+        if all_correct:
+            self.dropped_all_correct_groups += 1
+        else:
+            self.dropped_all_wrong_groups += 1
+        self._batch[1 + kind] += 1
+        self._streak[kind] += 1
+        self.consecutive_dropped_groups += 1
+        if (self.max_dropped_groups and not self.batch_full
+                and self.consecutive_dropped_groups >= self.max_dropped_groups):
+            raise DynamicSamplingStalled(self._stall_message())
+        return False
+
+    def take_batch(self) -> FilterStats:
+        """Consume N pending groups; return what happened since the last batch was taken."""
+        if not self.batch_full:
+            raise RuntimeError(f"take_batch: only {self.pending_groups}/{self.num_groups_per_batch} "
+                               "groups are pending; wait for batch_full")
+        self.pending_groups -= self.num_groups_per_batch
+        stats = FilterStats(*self._batch)
+        self._batch = [0, 0, 0]
+        self.consecutive_dropped_groups = 0
+        self._streak = [0, 0]
+        return stats
+
+    def reset(self) -> None:
+        """Forget pending groups and the drop streak (lifetime counters are kept)."""
+        self.pending_groups = 0
+        self.consecutive_dropped_groups = 0
+        self._streak = [0, 0]
+        self._batch = [0, 0, 0]
+
+    def _stall_message(self) -> str:
+        n_correct, n_wrong = self._streak
+        hint = ("mostly all-wrong: the data is too hard for the model, use easier data"
+                if n_wrong >= n_correct else
+                "mostly all-correct: the data is too easy for the model, use harder data")
+        return (f"dynamic sampling stalled: {self.consecutive_dropped_groups} groups in a row were "
+                f"dropped ({n_correct} all-correct, {n_wrong} all-wrong) while the batch holds "
+                f"{self.pending_groups}/{self.num_groups_per_batch} groups, reaching "
+                f"algorithm.max_filtered_groups_per_step={self.max_dropped_groups}. Groups are "
+                f"{hint}; or raise algorithm.num_samples_per_prompt (a bigger group mixes more often); "
+                f"or raise algorithm.max_filtered_groups_per_step (0 = never stop); or set "
+                f"algorithm.dynamic_sampling=false to train on every group.")
