@@ -1,0 +1,128 @@
+"""`dapo sweep`: the same run over a list of settings, then one table and one PNG.
+
+    dapo sweep                                   # max_staleness_steps 0, 1, 2, 4 (the default)
+    dapo sweep --over algorithm.max_staleness_steps=0,1,2 --seeds 0,1
+    dapo sweep --name ablation --over algorithm=grpo,grpo_overlong_filter,grpo_clip_higher,\
+grpo_soft_punish,grpo_token_loss,dapo_full
+
+Each point is a full `dapo run` (learner + actors as separate processes) in
+``<out>/<label>-seed<k>/``. The first value is the baseline of the speed-up column
+(``max_staleness_steps=0`` is synchronous on-policy RL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from statistics import mean
+
+from dapo.plots import plot_sweep, read_metrics, series, time_to_target
+from dapo.runtime import service_env
+
+HELP = __doc__
+
+
+def run_point(label: str, overrides: list[str], out_dir: Path) -> Path:
+    run_dir = out_dir / label
+    argv = [sys.executable, "-m", "learner.launch", *overrides, f"run.run_dir={run_dir}"]
+    print(f"dapo sweep: {label}: {' '.join(overrides)}", file=sys.stderr, flush=True)
+    t0 = time.monotonic()
+    rc = subprocess.call(argv, env={**os.environ, **service_env()})
+    print(f"dapo sweep: {label} finished in {time.monotonic() - t0:.0f} s (exit {rc})", file=sys.stderr)
+    return run_dir
+
+
+def summarize(runs: dict[str, list[dict]], target: float) -> list[dict]:
+    """One row per run: accuracy, time/steps to target, staleness, idle fractions."""
+    rows = []
+    for label, recs in runs.items():
+        _, acc = series(recs, "eval/accuracy")
+        hit = time_to_target(recs, "eval/accuracy", target)
+        _, stale = series(recs, "staleness/mean_steps")
+        _, stale_max = series(recs, "staleness/max_steps")
+        rows.append({
+            "run": label,
+            "start acc": acc[0] if acc else math.nan,
+            "final acc": acc[-1] if acc else math.nan,
+            "best acc": max(acc) if acc else math.nan,
+            "steps to target": hit[0] if hit else math.nan,
+            "time to target (s)": hit[1] if hit else math.nan,
+            "staleness mean": mean(stale) if stale else math.nan,
+            "staleness max": max(stale_max) if stale_max else math.nan,
+            "actor idle": _mean(recs, "actors/idle_fraction"),
+            "learner idle": _mean(recs, "learner/idle_fraction"),
+        })
+    base = rows[0]["time to target (s)"] if rows else math.nan
+    for row in rows:
+        row["speed-up vs first"] = base / row["time to target (s)"]
+    return rows
+
+
+def _mean(recs: list[dict], key: str) -> float:
+    _, ys = series(recs, key)
+    return mean(ys) if ys else math.nan
+
+
+def markdown_table(rows: list[dict]) -> str:
+    if not rows:
+        return "(no runs)\n"
+    cols = list(rows[0])
+    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)  # noqa: E731
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(fmt(r[c]) for c in cols) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dapo sweep", description=HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--over", default="algorithm.max_staleness_steps=0,1,2,4",
+                        help="KEY=V1,V2,... the setting to vary (default: %(default)s)")
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds, each a separate run")
+    parser.add_argument("--name", default="", help="sweep name (default: the varied key)")
+    parser.add_argument("--out", default="runs", help="parent folder of the sweep folder")
+    parser.add_argument("--target", type=float, default=None,
+                        help="accuracy target of the time-to-target column (default: run.target_accuracy)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides applied to every run")
+    args = parser.parse_args(argv)
+    key, _, values = args.over.partition("=")
+    if not key or not values:
+        parser.error(f"--over must look like KEY=V1,V2 (got {args.over!r})")
+
+    from dapo.config import ConfigError, load_config
+
+    seeds = [int(s) for s in args.seeds.split(",")]
+    points = []
+    for value in values.split(","):
+        for seed in seeds:
+            overrides = [*args.overrides, f"{key}={value}", f"run.seed={seed}", f"learner.seed={seed}",
+                         f"actor.seed={seed}"]
+            try:
+                cfg = load_config(overrides)  # fail before the first run, not after an hour
+            except ConfigError as exc:
+                print(f"dapo sweep: {exc}", file=sys.stderr)
+                return 2
+            points.append((f"{key.split('.')[-1]}={value}-seed{seed}", overrides))
+    target = args.target if args.target is not None else cfg.run.target_accuracy
+    out_dir = Path(args.out) / f"sweep-{args.name or key.split('.')[-1]}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    runs = {}
+    for label, overrides in points:
+        run_dir = run_point(label, overrides, out_dir)
+        metrics = run_dir / "metrics.jsonl"
+        runs[label] = read_metrics(metrics) if metrics.exists() else []
+    table = markdown_table(summarize(runs, target))
+    (out_dir / "summary.md").write_text(f"# dapo sweep over {key}\n\nTarget accuracy {target}.\n\n{table}")
+    png = plot_sweep(runs, out_dir / "sweep.png", title=f"dapo sweep over {key}")
+    print(table + f"\ndapo sweep: table in {out_dir / 'summary.md'}, plot in {png}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
