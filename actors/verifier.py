@@ -1,0 +1,162 @@
+"""Scores responses with ``dapo.rewards.score`` in a worker process, each call under a deadline.
+
+A verifier is user-facing code run on model output (regexes, parsers, sympy): it can hang or
+raise on a pathological response. It runs in a child process so that a hang costs at most
+``timeout_s`` per response: the child is killed, the response scores ``FAILED_REWARD`` with a
+counted error, and a fresh child starts for the next call. An exception in the verifier also
+scores ``FAILED_REWARD`` (counted); the actor never stalls or dies because of its verifier.
+
+The parent and the child speak msgpack over the child's stdin/stdout (no pickle):
+request ``[data_source, response, ground_truth]``, reply ``[ok, reward, acc, pred_or_error]``.
+The child is ``python -m actors.verifier SCORE_FN`` (``module:function``, default
+``dapo.rewards:score``); it first replies ``[true, 0, false, "ready"]`` once the module imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import select
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import msgpack
+
+log = logging.getLogger(__name__)
+
+FAILED_REWARD = -1.0
+"""Reward of a response whose verifier raised or timed out."""
+DEFAULT_SCORE_FN = "dapo.rewards:score"
+START_TIMEOUT_S = 60.0
+"""Deadline for the child to import the verifier module (first start pays the imports)."""
+
+
+@dataclass
+class Verdict:
+    reward: float
+    """Raw verifier score (before overlong shaping); FAILED_REWARD on error."""
+    acc: bool
+    """The verifier judged the response correct."""
+    pred: str
+    """The extracted answer ('' on error)."""
+    error: str = ""
+    """'' when the verifier ran; else ``timeout`` or the exception text."""
+
+
+class VerifierError(RuntimeError):
+    """The worker could not be started at all (bad SCORE_FN, broken environment)."""
+
+
+class Verifier:
+    """``score(data_source, response, ground_truth)`` calls bounded by ``timeout_s`` each."""
+
+    def __init__(self, timeout_s: float, score_fn: str = DEFAULT_SCORE_FN) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"verifier timeout_s must be > 0, got {timeout_s}")
+        self.timeout_s = timeout_s
+        self.score_fn = score_fn
+        self.num_calls = 0
+        self.num_errors = 0
+        """Calls that raised or timed out (each scored FAILED_REWARD)."""
+        self.num_timeouts = 0
+        self.num_restarts = 0
+        self._proc: subprocess.Popen | None = None
+        self._unpacker = msgpack.Unpacker(raw=False)
+
+    # -- worker lifecycle ---------------------------------------------------------------------
+    def _start(self) -> None:
+        self._proc = subprocess.Popen([sys.executable, "-m", "actors.verifier", self.score_fn],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
+                                      env=os.environ.copy())
+        self._unpacker = msgpack.Unpacker(raw=False)
+        reply = self._read(START_TIMEOUT_S)
+        if reply is None or reply[3] != "ready":
+            self._kill()
+            raise VerifierError(f"verifier worker for {self.score_fn!r} did not start within "
+                                f"{START_TIMEOUT_S:.0f}s (reply {reply!r}); check that the module "
+                                "imports and the function exists: python -m actors.verifier " + self.score_fn)
+
+    def _kill(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            for stream in (self._proc.stdin, self._proc.stdout):
+                stream.close()
+            self._proc = None
+
+    def close(self) -> None:
+        self._kill()
+
+    def _read(self, timeout_s: float) -> list | None:
+        """Next reply from the child, or None when the deadline passes or the child died."""
+        assert self._proc is not None and self._proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        fd = self._proc.stdout.fileno()
+        while True:
+            for reply in self._unpacker:
+                return reply
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            data = os.read(fd, 1 << 16)
+            if not data:  # EOF: the child died
+                return None
+            self._unpacker.feed(data)
+
+    # -- scoring ------------------------------------------------------------------------------
+    def score(self, data_source: str, response: str, ground_truth: str) -> Verdict:
+        self.num_calls += 1
+        if self._proc is None:
+            self._start()
+        assert self._proc is not None and self._proc.stdin is not None
+        try:
+            self._proc.stdin.write(msgpack.packb([data_source, response, ground_truth]))
+            reply = self._read(self.timeout_s)
+        except (BrokenPipeError, OSError):
+            reply = None
+        if reply is None:
+            # Hung (or died): its state is unknown, so replace the worker.
+            self.num_errors += 1
+            self.num_timeouts += 1
+            self.num_restarts += 1
+            log.warning("verifier %s gave no answer within %.1fs for a %s response of %d chars; "
+                        "scored %.0f and restarting the worker", self.score_fn, self.timeout_s,
+                        data_source, len(response), FAILED_REWARD)
+            self._kill()
+            return Verdict(FAILED_REWARD, False, "", "timeout")
+        ok, reward, acc, pred = reply
+        if not ok:
+            self.num_errors += 1
+            log.warning("verifier %s raised on a %s response: %s; scored %.0f",
+                        self.score_fn, data_source, pred, FAILED_REWARD)
+            return Verdict(FAILED_REWARD, False, "", pred)
+        return Verdict(float(reward), bool(acc), str(pred))
+
+    def score_many(self, items: list[tuple[str, str, str]]) -> list[Verdict]:
+        return [self.score(*item) for item in items]
+
+
+def _worker_main(score_fn: str) -> None:
+    module, _, name = score_fn.partition(":")
+    # The protocol owns the real stdout; anything the verifier prints goes to stderr instead.
+    out = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)
+    fn = getattr(importlib.import_module(module), name)
+    out.write(msgpack.packb([True, 0, False, "ready"]))
+    unpacker = msgpack.Unpacker(raw=False)
+    while data := os.read(sys.stdin.fileno(), 1 << 16):
+        unpacker.feed(data)
+        for data_source, response, ground_truth in unpacker:
+            try:
+                reward, acc, pred = fn(data_source, response, ground_truth)
+                reply = [True, float(reward), bool(acc), "" if pred is None else str(pred)]
+            except Exception as exc:  # count-and-score at the service boundary
+                reply = [False, FAILED_REWARD, False, f"{type(exc).__name__}: {exc}"[:500]]
+            out.write(msgpack.packb(reply))
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_SCORE_FN)
