@@ -253,6 +253,12 @@ class TransportConfig:
     """An actor silent this long is declared dead and its leases are re-issued, in seconds."""
     queue_max_groups: int = 256
     """Replay-queue high-water mark: at most this many decoded groups held, in groups."""
+    lease_timeout_s: float = 600.0
+    """A lease not completed this long after it was issued is re-issued to another actor, even
+    if its actor still heartbeats (e.g. its groups are rejected as malformed), in seconds."""
+    lease_retry_after_s: float = 0.25
+    """How long an actor refused a lease (staleness bound, full queue) waits before asking
+    again, in seconds."""
     curve_server_secret_key: str = ""
     """Z85 CURVE secret key of the replay queue ('' = no encryption). Actors then need
     ``curve_server_public_key``."""
@@ -270,6 +276,8 @@ class TransportConfig:
         _check(self.rpc_timeout_s > 0, "transport.rpc_timeout_s", self.rpc_timeout_s, "> 0")
         _check(self.heartbeat_timeout_s > 0, "transport.heartbeat_timeout_s", self.heartbeat_timeout_s, "> 0")
         _check(self.queue_max_groups >= 1, "transport.queue_max_groups", self.queue_max_groups, ">= 1")
+        _check(self.lease_timeout_s > 0, "transport.lease_timeout_s", self.lease_timeout_s, "> 0")
+        _check(self.lease_retry_after_s >= 0, "transport.lease_retry_after_s", self.lease_retry_after_s, ">= 0")
 
 
 @dataclass
