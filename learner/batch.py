@@ -1,0 +1,249 @@
+"""Training batch: N trajectory groups -> per-rank, per-mini-batch packed micro-batches.
+
+```
+ rank 0: groups ──> SampleBatch (columnar, one row per sequence, advantages computed)
+                      │ plan(): mini-batch m = groups [m·N/M, (m+1)·N/M); its sequences go to ranks
+                      │         by longest-first onto the least-loaded rank, then first-fit-decreasing
+                      │         into micro-batches of <= max_tokens_per_microbatch tokens
+                      ▼
+          RankShard per rank ──(dist.scatter of int64 + float32 tensors, no pickle)──> every rank
+                      │
+                      ▼
+          PackedMicroBatch: one row [1, T] = several sequences back to back, position ids restart
+          at 0 per sequence (transformers then builds a block-diagonal causal mask for sdpa), and
+          the indices of the positions whose next-token log-prob enters the loss.
+```
+
+Every rank runs the same number of micro-batches per mini-batch (FSDP all-gathers and
+reduce-scatters are collectives); a rank with less work gets an empty micro-batch, which runs a
+1-token forward with zero loss weight (the only token computed that is not data).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+_INT_COLS = 4  # per sequence: seq_len, prompt_len, minibatch, microbatch
+
+
+@dataclass
+class SampleBatch:
+    """One training batch, columnar. S sequences, T_all = sum of sequence lengths."""
+
+    tokens: torch.Tensor
+    """int64 [T_all]: prompt then response tokens of each sequence, back to back."""
+    seq_lens: torch.Tensor
+    """int64 [S]: prompt + response length of each sequence, in tokens."""
+    prompt_lens: torch.Tensor
+    """int64 [S]: prompt length, in tokens (>= 1)."""
+    group_index: torch.Tensor
+    """int64 [S]: index of the sequence's group in the batch, 0..N-1 (decides the mini-batch)."""
+    sampler_logp: torch.Tensor
+    """float32 [T_all]: the sampler's log-prob of each token (0 on prompt tokens)."""
+    loss_mask: torch.Tensor
+    """float32 [T_all]: 1 where the token is in the loss (response tokens not filtered out)."""
+    advantages: torch.Tensor
+    """float32 [S]: group-normalised advantage of each sequence."""
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.numel())
+
+    def offsets(self) -> torch.Tensor:
+        """int64 [S + 1]: start of each sequence in ``tokens``."""
+        return torch.cat([torch.zeros(1, dtype=torch.int64), self.seq_lens.cumsum(0)])
+
+
+@dataclass
+class RankShard:
+    """One rank's sequences for one training step, in micro-batch order."""
+
+    tokens: torch.Tensor
+    seq_lens: torch.Tensor
+    prompt_lens: torch.Tensor
+    minibatch: torch.Tensor
+    """int64 [S_r]: mini-batch index of each sequence."""
+    microbatch: torch.Tensor
+    """int64 [S_r]: micro-batch index (within its mini-batch) of each sequence."""
+    sampler_logp: torch.Tensor
+    loss_mask: torch.Tensor
+    advantages: torch.Tensor
+    num_minibatches: int
+    num_microbatches: int
+    """Micro-batches per mini-batch, equal on every rank."""
+
+    def micro(self, minibatch: int, microbatch: int) -> "PackedMicroBatch":
+        sel = ((self.minibatch == minibatch) & (self.microbatch == microbatch)).nonzero().flatten()
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), self.seq_lens.cumsum(0)])
+        tok_idx = torch.cat([torch.arange(int(offsets[i]), int(offsets[i + 1])) for i in sel.tolist()]) \
+            if sel.numel() else torch.zeros(0, dtype=torch.int64)
+        return PackedMicroBatch.pack(self.tokens[tok_idx], self.seq_lens[sel], self.sampler_logp[tok_idx],
+                                     self.loss_mask[tok_idx], self.advantages[sel])
+
+
+@dataclass
+class PackedMicroBatch:
+    """Sequences packed into one row. K = loss tokens, S = sequences, L = longest loss span."""
+
+    input_ids: torch.Tensor
+    """int64 [1, T]."""
+    position_ids: torch.Tensor
+    """int64 [1, T]: 0..len-1 per sequence (transformers detects the packing from these)."""
+    logit_index: torch.Tensor
+    """int64 [K]: position whose logits predict each loss token (the token's position - 1)."""
+    target_ids: torch.Tensor
+    """int64 [K]: the loss tokens."""
+    seq_of_token: torch.Tensor
+    """int64 [K]: sequence (0..S-1) of each loss token; with ``slot_of_token`` places it in [S, L]."""
+    slot_of_token: torch.Tensor
+    sampler_logp: torch.Tensor
+    """float32 [K]."""
+    advantages: torch.Tensor
+    """float32 [S]."""
+    num_seqs: int
+    max_loss_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return self.num_seqs == 0
+
+    @staticmethod
+    def pack(tokens: torch.Tensor, seq_lens: torch.Tensor, sampler_logp: torch.Tensor, loss_mask: torch.Tensor,
+             advantages: torch.Tensor) -> "PackedMicroBatch":
+        num_seqs = int(seq_lens.numel())
+        if num_seqs == 0:  # keeps FSDP's collectives in step; see the module docstring
+            z = torch.zeros(0, dtype=torch.int64)
+            return PackedMicroBatch(torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64),
+                                    z, z, z, z, torch.zeros(0), torch.zeros(0), 0, 0)
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), seq_lens.cumsum(0)[:-1]])
+        seq_id = torch.repeat_interleave(torch.arange(num_seqs), seq_lens)
+        position = torch.arange(tokens.numel()) - starts[seq_id]
+        # A sequence's first token has no prediction inside its own sequence.
+        keep = (loss_mask > 0) & (position > 0)
+        idx = keep.nonzero().flatten()
+        seq_of = seq_id[idx]
+        counts = torch.bincount(seq_of, minlength=num_seqs)
+        first = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)[:-1]])
+        slot = torch.arange(idx.numel()) - first[seq_of]
+        return PackedMicroBatch(tokens.view(1, -1), position.view(1, -1), idx - 1, tokens[idx], seq_of, slot,
+                                sampler_logp[idx].float(), advantages.float(), num_seqs,
+                                int(counts.max()) if idx.numel() else 0)
+
+    def to_rows(self, values: torch.Tensor) -> torch.Tensor:
+        """[K] per-token values -> [S, L] rows (zeros where no loss token), for policy_loss."""
+        rows = values.new_zeros(self.num_seqs, max(self.max_loss_tokens, 1))
+        return rows.index_put((self.seq_of_token, self.slot_of_token), values)
+
+    def row_mask(self) -> torch.Tensor:
+        return self.to_rows(torch.ones(self.target_ids.numel()))
+
+
+def plan(batch: SampleBatch, *, num_minibatches: int, world_size: int, max_tokens_per_microbatch: int
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Assign every sequence a (mini-batch, rank, micro-batch).
+
+    Returns int64 [S] tensors (minibatch, rank, microbatch) and the number of micro-batches per
+    mini-batch (the max over ranks, so every rank runs the same count).
+    """
+    num_groups = int(batch.group_index.max()) + 1 if batch.num_seqs else 0
+    if num_groups % num_minibatches:
+        raise ValueError(f"{num_groups} groups in the batch cannot be split into {num_minibatches} equal "
+                         f"mini-batches; set algorithm.num_minibatches_per_step to a divisor of "
+                         f"algorithm.num_prompts_per_step")
+    groups_per_mb = max(num_groups // num_minibatches, 1)
+    minibatch = batch.group_index // groups_per_mb
+    rank = torch.zeros_like(minibatch)
+    micro = torch.zeros_like(minibatch)
+    lens = batch.seq_lens.tolist()
+    num_micro = 1
+    for m in range(num_minibatches):
+        seqs = sorted((minibatch == m).nonzero().flatten().tolist(), key=lambda i: (-lens[i], i))
+        load = [0] * world_size
+        per_rank: list[list[int]] = [[] for _ in range(world_size)]
+        for i in seqs:  # longest first onto the least-loaded rank (LPT)
+            r = min(range(world_size), key=lambda k: (load[k], k))
+            load[r] += lens[i]
+            per_rank[r].append(i)
+        for r, items in enumerate(per_rank):
+            bins: list[int] = []  # tokens per micro-batch; first-fit decreasing
+            for i in items:
+                b = next((k for k, used in enumerate(bins) if used + lens[i] <= max_tokens_per_microbatch), None)
+                if b is None:
+                    bins.append(0)
+                    b = len(bins) - 1
+                bins[b] += lens[i]
+                rank[i], micro[i] = r, b
+            num_micro = max(num_micro, len(bins))
+    return minibatch, rank, micro, num_micro
+
+
+def _shard_tensors(batch: SampleBatch, sel: torch.Tensor, minibatch: torch.Tensor, micro: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    order = sel[torch.argsort(minibatch[sel] * (1 << 20) + micro[sel], stable=True)]
+    offsets = batch.offsets()
+    tok_idx = torch.cat([torch.arange(int(offsets[i]), int(offsets[i + 1])) for i in order.tolist()]) \
+        if order.numel() else torch.zeros(0, dtype=torch.int64)
+    ints = torch.cat([torch.stack([batch.seq_lens[order], batch.prompt_lens[order], minibatch[order],
+                                   micro[order]], 1).flatten(), batch.tokens[tok_idx]])
+    floats = torch.cat([batch.advantages[order].float(), batch.sampler_logp[tok_idx].float(),
+                        batch.loss_mask[tok_idx].float()])
+    return ints, floats
+
+
+def _unpack(ints: torch.Tensor, floats: torch.Tensor, n_seq: int, num_minibatches: int, num_micro: int) -> RankShard:
+    meta = ints[:n_seq * _INT_COLS].view(n_seq, _INT_COLS)
+    n_tok = int(meta[:, 0].sum())
+    tokens = ints[n_seq * _INT_COLS:n_seq * _INT_COLS + n_tok]
+    adv = floats[:n_seq]
+    return RankShard(tokens.clone(), meta[:, 0].clone(), meta[:, 1].clone(), meta[:, 2].clone(), meta[:, 3].clone(),
+                     floats[n_seq:n_seq + n_tok].clone(), floats[n_seq + n_tok:n_seq + 2 * n_tok].clone(),
+                     adv.clone(), num_minibatches, num_micro)
+
+
+def shard_local(batch: SampleBatch, *, num_minibatches: int, world_size: int, rank: int,
+                max_tokens_per_microbatch: int) -> RankShard:
+    """The shard ``rank`` would receive (no communication; tests and single-rank runs)."""
+    minibatch, ranks, micro, num_micro = plan(batch, num_minibatches=num_minibatches, world_size=world_size,
+                                              max_tokens_per_microbatch=max_tokens_per_microbatch)
+    sel = (ranks == rank).nonzero().flatten()
+    ints, floats = _shard_tensors(batch, sel, minibatch, micro)
+    return _unpack(ints, floats, int(sel.numel()), num_minibatches, num_micro)
+
+
+def scatter_batch(batch: SampleBatch | None, *, num_minibatches: int, max_tokens_per_microbatch: int,
+                  device: torch.device = torch.device("cpu")) -> RankShard:
+    """Collective: rank 0 passes the batch, the other ranks None; every rank gets its RankShard.
+
+    Two scatters: a size header (sequences, int64 and float32 lengths, micro-batch count), then
+    the int64 and float32 payloads padded to the longest rank's (gloo scatter needs equal sizes).
+    ``device`` is where the collective runs (cuda for NCCL); the shard comes back on the CPU.
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    header = torch.zeros(4, dtype=torch.int64, device=device)
+    if rank == 0:
+        assert batch is not None
+        minibatch, ranks, micro, num_micro = plan(batch, num_minibatches=num_minibatches, world_size=world,
+                                                  max_tokens_per_microbatch=max_tokens_per_microbatch)
+        parts = []
+        for r in range(world):
+            sel = (ranks == r).nonzero().flatten()
+            parts.append((int(sel.numel()), *_shard_tensors(batch, sel, minibatch, micro)))
+        max_i = max(p[1].numel() for p in parts)
+        max_f = max(p[2].numel() for p in parts)
+        headers = [torch.tensor([n, max_i, max_f, num_micro], dtype=torch.int64, device=device) for n, _, _, _ in parts]
+        dist.scatter(header, headers, src=0)
+        ints = torch.zeros(max_i, dtype=torch.int64, device=device)
+        floats = torch.zeros(max_f, dtype=torch.float32, device=device)
+        dist.scatter(ints, [torch.nn.functional.pad(p[1], (0, max_i - p[1].numel())).to(device) for p in parts], src=0)
+        dist.scatter(floats, [torch.nn.functional.pad(p[2], (0, max_f - p[2].numel())).to(device) for p in parts],
+                     src=0)
+    else:
+        dist.scatter(header, None, src=0)
+        ints = torch.zeros(int(header[1]), dtype=torch.int64, device=device)
+        floats = torch.zeros(int(header[2]), dtype=torch.float32, device=device)
+        dist.scatter(ints, None, src=0)
+        dist.scatter(floats, None, src=0)
+    return _unpack(ints.cpu(), floats.cpu(), int(header[0]), num_minibatches, int(header[3]))

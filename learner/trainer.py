@@ -1,0 +1,212 @@
+"""FSDP2 trainer: packed forward, exact token-mean DAPO loss across micro-batches and ranks, AdamW.
+
+One training step on one rank (every rank runs the same sequence of collectives):
+
+```
+ RankShard ──> recompute π_prox (no grad, current weights; or the sampler's log-probs in bypass)
+   for each mini-batch m:
+       all-reduce [loss tokens, sequences] of m over ranks           (one tiny collective)
+       for each micro-batch u: forward packed row -> log-probs -> policy_loss(num_tokens=global)
+                               -> backward (FSDP reduce-scatters, grads accumulate)
+       clip grad norm, AdamW step, zero grads
+   all-reduce the step's metric sums once
+```
+
+Exactness: each micro-batch's loss is Σ(its token losses) / (tokens of the whole mini-batch on all
+ranks), and backward runs on W × that loss because FSDP averages gradients over the W ranks
+(``set_gradient_divide_factor(1)`` would need PREMUL_SUM, which gloo lacks), so the summed gradient of any split of a
+mini-batch (ranks, micro-batch sizes, packings) equals the gradient of the whole mini-batch
+computed at once (tests/unit/test_trainer.py checks ≤ 1e-5).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from dapo.algorithm import loss_kwargs, policy_loss
+from dapo.config import AlgorithmConfig, LearnerConfig
+from learner.batch import PackedMicroBatch, RankShard
+
+# Metric sums all-reduced once per step; token-weighted unless noted.
+_SUMS = ("loss", "tokens", "entropy", "clipfrac_high", "clipfrac_low", "dualclip_frac", "approx_kl_k1",
+         "approx_kl_k3", "importance_weight_mean", "sampler_prox_abs_logp_diff", "sampler_prox_kl_k3")
+
+
+@dataclass
+class TrainerSettings:
+    """What the trainer needs from the config (so tests can build one without a DapoConfig)."""
+
+    lr: float
+    weight_decay: float
+    warmup_steps: int
+    grad_clip: float
+    temperature: float
+    """The actors' sampling temperature: log-probs are of logits / temperature, as the sampler's."""
+    token_sum_norm: float
+    """Dr.GRPO's constant (actor.max_response_tokens), fixed so that any split gives the same loss."""
+    algorithm: AlgorithmConfig
+    param_dtype: torch.dtype = torch.float32
+    """Compute dtype of forward/backward; master weights and optimizer state stay float32."""
+
+    @staticmethod
+    def from_config(learner: LearnerConfig, algorithm: AlgorithmConfig, *, temperature: float,
+                    max_response_tokens: int, model_dtype: str) -> "TrainerSettings":
+        return TrainerSettings(learner.lr, learner.weight_decay, learner.warmup_steps, learner.grad_clip, temperature,
+                               float(max_response_tokens), algorithm,
+                               torch.bfloat16 if model_dtype == "bfloat16" else torch.float32)
+
+
+def shard_model(model: torch.nn.Module, device: torch.device, param_dtype: torch.dtype) -> torch.nn.Module:
+    """``fully_shard`` each decoder layer, then the root. The model must be identical on all ranks
+    (same seed or same checkpoint): FSDP2 does not synchronise initial values."""
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
+class Trainer:
+    """Owns the sharded model, the optimizer and the LR schedule of one learner rank."""
+
+    def __init__(self, model: torch.nn.Module, settings: TrainerSettings, device: torch.device) -> None:
+        self.settings = settings
+        self.device = device
+        self.world_size = dist.get_world_size()
+        self.model = shard_model(model.to(device), device, settings.param_dtype)
+        self.model.train()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr,
+                                           weight_decay=settings.weight_decay)
+        warmup = max(settings.warmup_steps, 0)
+        # Linear warm-up per training step (the paper: 20 rollout steps), then constant.
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
+        self.loss_kwargs = loss_kwargs(settings.algorithm)
+
+    # ------------------------------------------------------------------ forward
+
+    def logprobs(self, mb: PackedMicroBatch, *, with_entropy: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs [K] of the loss tokens under the current weights (and their entropies)."""
+        dev = self.device
+        if mb.is_empty:
+            out = self.model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev),
+                             use_cache=False, logits_to_keep=1)
+            return out.logits.sum() * 0.0, None  # keeps the graph (and FSDP's backward) alive
+        out = self.model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev), use_cache=False,
+                         logits_to_keep=mb.logit_index.to(dev))
+        logits = out.logits[0].float() / self.settings.temperature  # [K, V]
+        logp_all = torch.log_softmax(logits, dim=-1)
+        logp = logp_all.gather(-1, mb.target_ids.to(dev).unsqueeze(-1)).squeeze(-1)
+        entropy = None
+        if with_entropy:
+            with torch.no_grad():
+                entropy = -(logp_all.exp() * logp_all).sum(-1)
+        return logp, entropy
+
+    @torch.no_grad()
+    def recompute_prox(self, shard: RankShard) -> dict[tuple[int, int], torch.Tensor]:
+        """π_prox for every micro-batch of the step, with the weights before the step's first update."""
+        prox = {}
+        for m in range(shard.num_minibatches):
+            for u in range(shard.num_microbatches):
+                mb = shard.micro(m, u)
+                if self.settings.algorithm.prox_logp == "bypass" or mb.is_empty:
+                    prox[(m, u)] = mb.sampler_logp.to(self.device)
+                else:
+                    prox[(m, u)] = self.logprobs(mb)[0].detach()
+        return prox
+
+    # ------------------------------------------------------------------ update
+
+    def global_counts(self, shard: RankShard, minibatch: int) -> tuple[float, float]:
+        """(loss tokens, sequences with loss tokens) of a mini-batch over all ranks: one all-reduce."""
+        sel = shard.minibatch == minibatch
+        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), shard.seq_lens.cumsum(0)])
+        tokens = seqs = 0.0
+        for i in sel.nonzero().flatten().tolist():
+            mask = shard.loss_mask[int(offsets[i]) + 1:int(offsets[i + 1])]  # first token: no prediction
+            n = float((mask > 0).sum())
+            tokens += n
+            seqs += float(n > 0)
+        counts = torch.tensor([tokens, seqs], dtype=torch.float64, device=self.device)
+        dist.all_reduce(counts)
+        return float(counts[0]), float(counts[1])
+
+    def forward_backward(self, shard: RankShard, minibatch: int, prox: dict[tuple[int, int], torch.Tensor],
+                         sums: dict[str, float]) -> float:
+        """Accumulate the gradients of one mini-batch; returns this rank's share of its loss."""
+        num_tokens, num_seqs = self.global_counts(shard, minibatch)
+        rank_loss = 0.0
+        for u in range(shard.num_microbatches):
+            mb = shard.micro(minibatch, u)
+            logp, entropy = self.logprobs(mb, with_entropy=True)
+            if mb.is_empty:
+                logp.backward()
+                continue
+            logp_prox = prox[(minibatch, u)]
+            sampler = mb.sampler_logp.to(self.device)
+            mask = mb.row_mask().to(self.device)
+            loss, metrics = policy_loss(
+                mb.to_rows(logp), mb.to_rows(logp_prox), mb.advantages.to(self.device), mask,
+                behavior_logp=mb.to_rows(sampler) if self.settings.algorithm.prox_logp == "recompute" else None,
+                num_tokens=num_tokens, num_seqs=num_seqs, token_sum_norm=self.settings.token_sum_norm,
+                **self.loss_kwargs)
+            (loss * self.world_size).backward()
+            loss = loss.detach()
+            rank_loss += float(loss)
+            n = float(metrics["num_tokens"])
+            sums["loss"] += float(loss)
+            sums["tokens"] += n
+            sums["entropy"] += float(entropy.sum())
+            for key in ("clipfrac_high", "clipfrac_low", "dualclip_frac", "approx_kl_k1", "approx_kl_k3",
+                        "importance_weight_mean"):
+                sums[key] += float(metrics[key]) * n
+            diff = logp_prox - sampler
+            sums["sampler_prox_abs_logp_diff"] += float(diff.abs().sum())
+            sums["sampler_prox_kl_k3"] += float((torch.exp(-diff) - 1 + diff).sum())
+        return rank_loss
+
+    def optimizer_step(self) -> float:
+        """Clip (collective norm over all shards), step, zero grads; returns the pre-clip grad norm."""
+        max_norm = self.settings.grad_clip if self.settings.grad_clip > 0 else math.inf
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def train_step(self, shard: RankShard) -> dict[str, float]:
+        """One training step (all mini-batches of a batch). Returns metrics, identical on all ranks."""
+        prox = self.recompute_prox(shard)
+        sums = dict.fromkeys(_SUMS, 0.0)
+        grad_norms = []
+        for m in range(shard.num_minibatches):
+            self.forward_backward(shard, m, prox, sums)
+            grad_norms.append(self.optimizer_step())
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        totals = torch.tensor([sums[k] for k in _SUMS], dtype=torch.float64, device=self.device)
+        dist.all_reduce(totals)
+        tot = dict(zip(_SUMS, totals.tolist()))
+        n = max(tot["tokens"], 1.0)
+        out = {f"train/{k}": tot[k] / n for k in _SUMS if k not in ("loss", "tokens")}
+        out.update({"train/loss": tot["loss"] / shard.num_minibatches, "train/loss_tokens": tot["tokens"],
+                    "train/grad_norm": sum(grad_norms) / len(grad_norms), "train/grad_norm_max": max(grad_norms),
+                    "train/lr": lr, "train/num_updates": float(shard.num_minibatches)})
+        return out
+
+    # ------------------------------------------------------------------ weights
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective (call on every rank): full CPU state dict on rank 0, {} elsewhere."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
