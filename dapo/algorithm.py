@@ -102,7 +102,7 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate loss of one (micro-)batch, to be minimised.
 
-    Shapes: ``logp`` (π_θ, with grad), ``logp_prox`` (π_prox), ``mask`` (bool or 0/1 float,
+    Shapes: ``logp`` (π_θ, with grad), ``logp_prox`` (π_prox, detached here), ``mask`` (bool or 0/1 float,
     1 = token in the loss) and ``behavior_logp`` (μ, the sampler) are [B, T] log-probs of the
     sampled tokens; ``advantages`` is [B] (broadcast over tokens) or [B, T].
 
@@ -139,6 +139,9 @@ def policy_loss(
     if advantages.shape not in (logp.shape[:1], logp.shape):
         raise ValueError(f"policy_loss: advantages must be [B] or [B, T] = {tuple(logp.shape)}; "
                          f"got {tuple(advantages.shape)}")
+    # π_prox and μ are constants of the step: a caller passing logp itself as logp_prox (the
+    # on-policy shortcut) must get the policy gradient, not a ratio that is identically 1.
+    logp_prox = logp_prox.detach()
     m = mask.to(torch.bool)
     mf = m.to(logp.dtype)
     adv = (advantages.unsqueeze(-1) if advantages.ndim == 1 else advantages).to(logp.dtype)
@@ -161,8 +164,8 @@ def policy_loss(
         if behavior_logp.shape != logp.shape:
             raise ValueError(f"policy_loss: behavior_logp must be {tuple(logp.shape)}; "
                              f"got {tuple(behavior_logp.shape)}")
-        log_w = torch.where(m, logp_prox - behavior_logp, torch.zeros_like(logp))
-        weight = torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)).detach()
+        log_w = torch.where(m, logp_prox - behavior_logp.detach(), torch.zeros_like(logp))
+        weight = torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         if tis_cap is not None:
             weight = weight.clamp(max=tis_cap)
     token_loss = torch.where(m, weight * pg_loss, torch.zeros_like(pg_loss))
