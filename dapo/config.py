@@ -363,13 +363,33 @@ def load_config(overrides: list[str] | tuple[str, ...] = ()) -> DapoConfig:
     from hydra.errors import HydraException
 
     try:
-        cfg = OmegaConf.to_object(compose(overrides))
+        node = compose(overrides)
+        _reject_unknown_keys(node, "")
+        cfg = OmegaConf.to_object(node)
     except ConfigError:
         raise
     except (OmegaConfBaseException, HydraException) as exc:
-        raise ConfigError(f"invalid config override: {exc}".strip()) from None
+        cause = f" ({str(exc.__cause__).splitlines()[0]})" if exc.__cause__ else ""  # says what was expected
+        raise ConfigError(f"invalid config override: {exc}{cause}".strip()) from None
     assert isinstance(cfg, DapoConfig)
     return cfg
+
+
+def _reject_unknown_keys(node: Any, prefix: str) -> None:
+    """``+group.key=value`` appends keys the schema lacks; OmegaConf would set them as stray
+    attributes of the dataclass, silently ignored (a typo must not pass unnoticed)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    schema = OmegaConf.get_type(node)
+    known = {f.name for f in dataclasses.fields(schema)}
+    for key in node.keys():
+        if key not in known:
+            where = f"`{prefix.rstrip('.')}`" if prefix else "the top level"
+            raise ConfigError(f"config key `{prefix}{key}` is unknown: expected one of {sorted(known)} "
+                              f"under {where} (see dapo/config.py).")
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(child)):
+            _reject_unknown_keys(child, f"{prefix}{key}.")
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -1,0 +1,118 @@
+"""dapo.config: the algorithm presets (the paper's ablation rows), validation, round trips."""
+
+import dataclasses
+
+import pytest
+
+from dapo.config import CONF_DIR, AlgorithmConfig, ConfigError, DapoConfig, load_config, to_overrides
+
+# The paper's Table 1 is cumulative: each row adds one technique to the one above it.
+GRPO = dict(eps_low=0.2, eps_high=0.2, loss_agg="seq-mean-token-mean", std_normalize=True,
+            overlong_filter=False, overlong_punishment=False, dynamic_sampling=False)
+ROWS = {
+    "grpo": GRPO,
+    "grpo_overlong_filter": dict(GRPO, overlong_filter=True),
+    "grpo_clip_higher": dict(GRPO, overlong_filter=True, eps_high=0.28),
+    "grpo_soft_punish": dict(GRPO, overlong_filter=True, eps_high=0.28, overlong_punishment=True),
+    "grpo_token_loss": dict(GRPO, overlong_filter=True, eps_high=0.28, overlong_punishment=True,
+                            loss_agg="token-mean"),
+    "dapo_full": dict(GRPO, overlong_filter=True, eps_high=0.28, overlong_punishment=True,
+                      loss_agg="token-mean", dynamic_sampling=True),
+    # as released: the soft punishment without overlong filtering (verl's DAPO FAQ)
+    "dapo": dict(GRPO, eps_high=0.28, overlong_punishment=True, loss_agg="token-mean",
+                 dynamic_sampling=True),
+    "dr_grpo": dict(GRPO, loss_agg="seq-mean-token-sum-norm", std_normalize=False),
+}
+
+
+def test_every_preset_file_is_covered():
+    files = {p.stem for p in (CONF_DIR / "algorithm").glob("*.yaml")}
+    assert files == set(ROWS), "a preset without expected values here (or a missing preset)"
+
+
+@pytest.mark.parametrize("name", sorted(ROWS))
+def test_preset_composes_with_expected_values(name):
+    algo = load_config([f"algorithm={name}"]).algorithm
+    assert isinstance(algo, AlgorithmConfig)
+    assert algo.name == name
+    assert {key: getattr(algo, key) for key in ROWS[name]} == ROWS[name]
+    # keys a preset does not set keep the schema's defaults (no preset leaks into another)
+    defaults = AlgorithmConfig()
+    untouched = {f.name for f in dataclasses.fields(AlgorithmConfig)} - set(ROWS[name]) - {"name"}
+    assert {k: getattr(algo, k) for k in untouched} == {k: getattr(defaults, k) for k in untouched}
+
+
+def test_ablation_rows_differ_by_one_technique():
+    order = ["grpo", "grpo_overlong_filter", "grpo_clip_higher", "grpo_soft_punish", "grpo_token_loss",
+             "dapo_full"]
+    added = ["overlong_filter", "eps_high", "overlong_punishment", "loss_agg", "dynamic_sampling"]
+    configs = [dataclasses.asdict(load_config([f"algorithm={n}"]).algorithm) for n in order]
+    for before, after, key in zip(configs, configs[1:], added):
+        changed = {k for k in before if before[k] != after[k]} - {"name"}
+        assert changed == {key}
+
+
+def test_default_is_dapo_and_overrides_apply_on_top_of_a_preset():
+    assert load_config([]).algorithm == load_config(["algorithm=dapo"]).algorithm
+    cfg = load_config(["algorithm=grpo", "algorithm.eps_high=0.3", "algorithm.clip_c=3"])
+    assert (cfg.algorithm.name, cfg.algorithm.eps_high, cfg.algorithm.clip_c) == ("grpo", 0.3, 3.0)
+
+
+@pytest.mark.parametrize("override,key", [
+    ("algorithm.eps_low=3", "algorithm.eps_low"),
+    ("algorithm.eps_low=-0.1", "algorithm.eps_low"),
+    ("algorithm.loss_agg=foo", "algorithm.loss_agg"),
+    ("algorithm.clip_c=0.5", "algorithm.clip_c"),
+    ("algorithm.num_minibatches_per_step=3", "algorithm.num_minibatches_per_step"),
+    ("algorithm.max_filtered_groups_per_step=-1", "algorithm.max_filtered_groups_per_step"),
+    ("algorithm.overlong_cache_tokens=100", "algorithm.overlong_cache_tokens"),
+    ("learner.lr=-1", "learner.lr"),
+    ("actor.top_p=0", "actor.top_p"),
+    ("transport.grpc_port=70000", "transport.grpc_port"),
+    ("algorithm.eps_low=abc", "algorithm.eps_low"),  # wrong type
+    ("learner.num_ranks=1.5", "learner.num_ranks"),
+    ("algorithm.foo=1", "algorithm.foo"),  # unknown keys
+    ("learner.lrate=0.1", "learner.lrate"),
+    ("+algorithm.foo=1", "algorithm.foo"),  # appending is no way around the schema
+    ("+extra=1", "extra"),
+    ("algorithm=nope", "algorithm/nope"),  # unknown preset
+])
+def test_invalid_values_name_the_key(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config([override])
+    assert key in str(err.value)
+
+
+def test_errors_say_what_was_expected():
+    with pytest.raises(ConfigError, match="could not be converted to Float"):
+        load_config(["algorithm.eps_low=abc"])
+    with pytest.raises(ConfigError, match="expected one of .*eps_high"):
+        load_config(["+algorithm.eps_hihg=0.3"])
+
+
+def test_dynamic_sampling_needs_groups_of_two():
+    with pytest.raises(ConfigError, match="algorithm.num_samples_per_prompt"):
+        load_config(["algorithm.num_samples_per_prompt=1"])
+    assert load_config(["algorithm=grpo", "algorithm.num_samples_per_prompt=1"]).algorithm.dynamic_sampling is False
+
+
+@pytest.mark.parametrize("overrides", [
+    [],
+    ["algorithm=dr_grpo", "algorithm.clip_c=10", "algorithm.tis_cap=null", "learner.lr=3e-7"],
+    ["algorithm=grpo_soft_punish", "run.run_dir='runs/it\\'s a dir'", "transport.auth_token='a=b c'",
+     "learner.resume=''", "model.path='/models/x y'"],
+])
+def test_to_overrides_round_trips(overrides):
+    cfg = load_config(overrides)
+    if overrides:
+        assert cfg.algorithm.name != "dapo"
+    again = load_config(to_overrides(cfg))
+    assert isinstance(again, DapoConfig)
+    assert again == cfg
+    assert to_overrides(again) == to_overrides(cfg)
+
+
+def test_round_trip_is_not_vacuous():
+    cfg = load_config(["algorithm=grpo", "run.run_dir='runs/it\\'s a dir'"])
+    assert cfg.run.run_dir == "runs/it's a dir"
+    assert load_config(to_overrides(cfg)) != load_config([])
