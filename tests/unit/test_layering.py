@@ -1,0 +1,182 @@
+"""The dependency rule and the no-pickle rule, checked on the source with `ast`.
+
+- ``dapo`` is the pure library: no inference engine, network, process or collective code, and no
+  imports of the services. ``actors`` and ``learner`` import ``dapo`` and ``protos``, never each other.
+- Nothing under dapo/ actors/ learner/ protos/ unpickles: network data and checkpoints are
+  parsed, never executed.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("dapo", "actors", "learner", "protos")
+
+FORBIDDEN = {
+    "dapo": ("vllm", "grpc", "zmq", "torch.distributed", "actors", "learner", "subprocess", "socket",
+             "multiprocessing"),
+    "actors": ("learner",),
+    "learner": ("actors",),
+}
+PICKLERS = ("pickle", "_pickle", "cPickle", "cloudpickle", "dill", "joblib")
+# os functions that start a process. dapo/ may not call them; os.exec* replaces the current
+# process (no child), which the `dapo` CLI dispatcher does on purpose, so it is allowed there only.
+PROCESS_CALLS = ("fork", "forkpty", "system", "popen", "spawn", "posix_spawn", "exec")
+EXEC_ALLOWED = {("dapo/cli.py", "execvpe")}
+
+
+def sources() -> list[Path]:
+    files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")]
+    assert any(p.parts[-2:] == ("dapo", "config.py") for p in files)  # the walk found the tree
+    return sorted(files)
+
+
+def rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def imported_modules(tree: ast.AST, path: str) -> list[tuple[int, str]]:
+    """(line, dotted module) for every import, relative ones resolved; ``from a import b``
+    yields both ``a`` and ``a.b`` (b may be a submodule: ``from torch import distributed``)."""
+    package = path.rsplit("/", 1)[0].replace("/", ".")
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parent + ([base] if base else []))
+            out.append((node.lineno, base))
+            out += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and _call_name(node) in ("import_module", "__import__")):
+            out.append((node.lineno, node.args[0].value))
+    return out
+
+
+def _call_name(node: ast.Call) -> str:
+    f = node.func
+    return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+
+
+def matches(module: str, banned: str) -> bool:
+    return module == banned or module.startswith(banned + ".")
+
+
+def layering_violations(source: str, path: str) -> list[str]:
+    top = path.split("/", 1)[0]
+    tree = ast.parse(source, filename=path)
+    out = [f"{path}:{line} imports {mod} (forbidden in {top}/)"
+           for line, mod in imported_modules(tree, path)
+           for banned in FORBIDDEN.get(top, ()) if matches(mod, banned)]
+    if top == "dapo":
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "os"
+                    and node.func.attr.startswith(PROCESS_CALLS)
+                    and (path, node.func.attr) not in EXEC_ALLOWED):
+                out.append(f"{path}:{node.lineno} calls os.{node.func.attr} (dapo/ starts no processes)")
+    return out
+
+
+def pickle_violations(source: str, path: str) -> list[str]:
+    tree = ast.parse(source, filename=path)
+    out = [f"{path}:{line} imports {mod}" for line, mod in imported_modules(tree, path)
+           for banned in PICKLERS if matches(mod, banned)]
+    torch_loads = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                   and n.module == "torch" for a in n.names if a.name == "load"}
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.Call, ast.Attribute)):
+            continue
+        if isinstance(node, ast.Attribute):
+            if node.attr in ("recv_pyobj", "send_pyobj", "read_pickle", "to_pickle"):
+                out.append(f"{path}:{node.lineno} uses .{node.attr} (pickle)")
+            continue
+        kw = {k.arg: k.value for k in node.keywords}
+        if "allow_pickle" in kw and not (isinstance(kw["allow_pickle"], ast.Constant)
+                                         and kw["allow_pickle"].value is False):
+            out.append(f"{path}:{node.lineno} passes allow_pickle")
+        f = node.func
+        is_torch_load = ((isinstance(f, ast.Attribute) and f.attr == "load" and isinstance(f.value, ast.Name)
+                          and f.value.id == "torch") or (isinstance(f, ast.Name) and f.id in torch_loads))
+        safe = isinstance(kw.get("weights_only"), ast.Constant) and kw["weights_only"].value is True
+        if is_torch_load and not safe:
+            out.append(f"{path}:{node.lineno} calls torch.load without weights_only=True")
+    return out
+
+
+def test_dependency_rule():
+    problems = [v for p in sources() for v in layering_violations(p.read_text(), rel(p))]
+    assert not problems, "\n".join(problems)
+
+
+def test_no_pickle_on_any_path():
+    problems = [v for p in sources() for v in pickle_violations(p.read_text(), rel(p))]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("path,source", [
+    ("dapo/x.py", "import torch.distributed as dist"),
+    ("dapo/x.py", "from torch import distributed"),
+    ("dapo/x.py", "from torch.distributed import all_reduce"),
+    ("dapo/x.py", "import vllm"),
+    ("dapo/x.py", "from vllm.sampling_params import SamplingParams"),
+    ("dapo/x.py", "import grpc.aio"),
+    ("dapo/x.py", "import zmq"),
+    ("dapo/x.py", "import subprocess"),
+    ("dapo/x.py", "from multiprocessing import Process"),
+    ("dapo/x.py", "import socket"),
+    ("dapo/x.py", "from learner.replay import ReplayBuffer"),
+    ("dapo/sub/x.py", "from ...actors import loop"),
+    ("dapo/x.py", "import importlib\nimportlib.import_module('vllm')"),
+    ("dapo/x.py", "def f():\n    import zmq"),
+    ("dapo/x.py", "import os\nos.system('ls')"),
+    ("dapo/x.py", "import os\nos.fork()"),
+    ("dapo/x.py", "import os\nos.execvpe('a', [], {})"),  # exec allowed in dapo/cli.py only
+    ("actors/x.py", "from learner import coordinator"),
+    ("actors/engines/x.py", "from ...learner.publisher import x"),
+    ("learner/x.py", "import actors.weight_client"),
+])
+def test_layering_checker_flags(path, source):
+    assert layering_violations(source, path)
+
+
+@pytest.mark.parametrize("path,source", [
+    ("dapo/x.py", "import torch\nfrom dapo.config import load_config"),
+    ("dapo/x.py", "import grpcio_tools_like_name"),  # a prefix is not the package
+    ("dapo/cli.py", "import os\nos.execvpe('a', [], {})"),
+    ("actors/x.py", "import zmq\nimport grpc\nfrom protos import coordinator_pb2\nfrom dapo import wire"),
+    ("learner/x.py", "import torch.distributed as dist\nfrom . import replay"),
+])
+def test_layering_checker_allows(path, source):
+    assert layering_violations(source, path) == []
+
+
+@pytest.mark.parametrize("source", [
+    "import pickle",
+    "import cloudpickle as cp",
+    "from dill import loads",
+    "import torch\ntorch.load(f)",
+    "import torch\ntorch.load(f, weights_only=False)",
+    "from torch import load\nload(f)",
+    "import numpy as np\nnp.load(f, allow_pickle=True)",
+    "sock.recv_pyobj()",
+    "sock.send_pyobj(x)",
+])
+def test_pickle_checker_flags(source):
+    assert pickle_violations(source, "learner/x.py")
+
+
+@pytest.mark.parametrize("source", [
+    "import torch\ntorch.load(f, weights_only=True, map_location='cpu')",
+    "import numpy as np\nnp.load(f)",
+    "import msgpack\nmsgpack.unpackb(b)",
+    '"""Never pickle network data (recv_pyobj would)."""',  # prose is not code
+])
+def test_pickle_checker_allows(source):
+    assert pickle_violations(source, "learner/x.py") == []
