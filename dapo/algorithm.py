@@ -41,11 +41,6 @@ import torch
 
 from dapo.config import AGG_MODES, AlgorithmConfig
 
-__all__ = [
-    "group_advantages", "policy_loss", "loss_kwargs", "overlong_penalty", "overlong_filter_mask",
-    "DynamicSamplingFilter", "DynamicSamplingStalled", "FilterStats",
-]
-
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: beyond this the ratio is noise anyway (verl's bound)
 
 
@@ -102,9 +97,9 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate loss of one (micro-)batch, to be minimised.
 
-    Shapes: ``logp`` (π_θ, with grad), ``logp_prox`` (π_prox, detached here), ``mask`` (bool or 0/1 float,
-    1 = token in the loss) and ``behavior_logp`` (μ, the sampler) are [B, T] log-probs of the
-    sampled tokens; ``advantages`` is [B] (broadcast over tokens) or [B, T].
+    Shapes: ``logp`` (π_θ, with grad), ``logp_prox`` (π_prox, detached here), ``mask`` (bool or
+    0/1 float, 1 = token in the loss) and ``behavior_logp`` (μ, the sampler) are [B, T] log-probs
+    of the sampled tokens; ``advantages`` is [B] (broadcast over tokens) or [B, T].
 
     - ``clip_c``: dual clip for Â < 0, the loss is capped at -Â·c (c > 1); None = off.
     - ``behavior_logp`` + ``tis_cap``: multiply by w = min(exp(logp_prox - behavior_logp), tis_cap),
@@ -133,9 +128,10 @@ def policy_loss(
                          "set algorithm.loss_agg to one of them.")
     if clip_c is not None and clip_c <= 1:
         raise ValueError(f"policy_loss: clip_c={clip_c} must be > 1 (or None to disable dual clip).")
-    if logp.ndim != 2 or logp_prox.shape != logp.shape or mask.shape != logp.shape:
-        raise ValueError(f"policy_loss: logp, logp_prox and mask must share one [B, T] shape; got "
-                         f"{tuple(logp.shape)}, {tuple(logp_prox.shape)}, {tuple(mask.shape)}")
+    shapes = [tuple(x.shape) for x in (logp, logp_prox, mask, behavior_logp) if x is not None]
+    if logp.ndim != 2 or len(set(shapes)) != 1:
+        raise ValueError(f"policy_loss: logp, logp_prox, mask (and behavior_logp) must share one "
+                         f"[B, T] shape; got {shapes}")
     if advantages.shape not in (logp.shape[:1], logp.shape):
         raise ValueError(f"policy_loss: advantages must be [B] or [B, T] = {tuple(logp.shape)}; "
                          f"got {tuple(advantages.shape)}")
@@ -161,9 +157,6 @@ def policy_loss(
 
     weight = torch.ones_like(logp)
     if behavior_logp is not None:
-        if behavior_logp.shape != logp.shape:
-            raise ValueError(f"policy_loss: behavior_logp must be {tuple(logp.shape)}; "
-                             f"got {tuple(behavior_logp.shape)}")
         log_w = torch.where(m, logp_prox - behavior_logp.detach(), torch.zeros_like(logp))
         weight = torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
         if tis_cap is not None:
@@ -194,9 +187,9 @@ def _aggregate(token_loss: torch.Tensor, mf: torch.Tensor, agg: str, num_tokens:
     """Reduce masked per-token losses [B, T] to a scalar (see ``policy_loss``)."""
     seq_tokens = mf.sum(-1)  # n_i
     if agg == "token-mean":
-        denom = mf.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=mf.dtype)
-        return token_loss.sum() / denom.clamp(min=1)
-    seqs = (seq_tokens > 0).sum() if num_seqs is None else torch.as_tensor(num_seqs)
+        tokens = mf.sum() if num_tokens is None else torch.as_tensor(num_tokens, device=mf.device)
+        return token_loss.sum() / tokens.to(mf.dtype).clamp(min=1)
+    seqs = (seq_tokens > 0).sum() if num_seqs is None else torch.as_tensor(num_seqs, device=mf.device)
     seqs = seqs.to(mf.dtype).clamp(min=1)
     if agg == "seq-mean-token-mean":
         return (token_loss.sum(-1) / seq_tokens.clamp(min=1)).sum() / seqs
@@ -212,13 +205,8 @@ def loss_kwargs(cfg: AlgorithmConfig) -> dict[str, Any]:
     In ``bypass`` mode π_prox is the sampler's log-prob, so the importance weight is 1 and
     ``tis_cap`` is dropped; callers then pass no ``behavior_logp``.
     """
-    return {
-        "eps_low": cfg.eps_low,
-        "eps_high": cfg.eps_high,
-        "clip_c": cfg.clip_c,
-        "tis_cap": cfg.tis_cap if cfg.prox_logp == "recompute" else None,
-        "agg": cfg.loss_agg,
-    }
+    return dict(eps_low=cfg.eps_low, eps_high=cfg.eps_high, clip_c=cfg.clip_c, agg=cfg.loss_agg,
+                tis_cap=cfg.tis_cap if cfg.prox_logp == "recompute" else None)
 
 
 # ---------------------------------------------------------------- overlong shaping
@@ -228,28 +216,22 @@ def overlong_penalty(length: Any, max_len: int, cache_len: int) -> Any:
     """Soft overlong punishment, paper Eq. 13, added to the reward.
 
     0 for length <= max_len - cache_len, then linear down to -1 at max_len, -1 beyond.
-    ``length`` (response tokens; the actors count the EOS token too, as verl and TRL do) may be
-    an int (returns a float), a numpy array or a tensor (returns the same kind, float).
+    ``length`` (integer response tokens; the actors count the EOS token, as verl and TRL do) is
+    an int (returns a float), a list, numpy array or tensor (returns an array / a float tensor).
     ``cache_len = 0`` is a hard punishment: -1 only beyond max_len.
     """
     if not 0 <= cache_len <= max_len:
         raise ValueError(f"overlong_penalty: need 0 <= cache_len <= max_len; got cache_len="
                          f"{cache_len}, max_len={max_len} (algorithm.overlong_cache_tokens, "
                          "actor.max_response_tokens)")
-    start = max_len - cache_len
+    # With integer lengths a ramp of 1 token is the hard cut-off of cache_len = 0.
+    start, ramp = max_len - cache_len, max(cache_len, 1)
     if isinstance(length, torch.Tensor):
         x = length if length.is_floating_point() else length.to(torch.get_default_dtype())
-        if cache_len == 0:
-            return -(x > max_len).to(x.dtype)
-        return ((start - x) / cache_len).clamp(-1.0, 0.0)
+        return ((start - x) / ramp).clamp(-1.0, 0.0)
     if isinstance(length, (np.ndarray, list, tuple)):
-        x = np.asarray(length, dtype=np.float64)
-        if cache_len == 0:
-            return -(x > max_len).astype(np.float64)
-        return np.clip((start - x) / cache_len, -1.0, 0.0)
-    if cache_len == 0:
-        return -1.0 if length > max_len else 0.0
-    return float(min(max((start - length) / cache_len, -1.0), 0.0))
+        return np.clip((start - np.asarray(length, dtype=np.float64)) / ramp, -1.0, 0.0)
+    return float(min(max((start - length) / ramp, -1.0), 0.0))
 
 
 def overlong_filter_mask(truncated: Any) -> Any:
@@ -312,16 +294,10 @@ class DynamicSamplingFilter:
         self.num_groups_per_batch = num_groups_per_batch
         self.max_dropped_groups = max_dropped_groups
         self.enabled = enabled
-        # lifetime counters
-        self.offered_groups = 0
-        self.kept_groups = 0
-        self.dropped_all_correct_groups = 0
-        self.dropped_all_wrong_groups = 0
-        # state of the batch being filled
-        self.pending_groups = 0
-        self.consecutive_dropped_groups = 0
-        self._streak = [0, 0]  # (all-correct, all-wrong) in the current streak, for the message
-        self._batch = [0, 0, 0]  # (kept, all-correct, all-wrong) since the last take_batch
+        self.offered_groups = self.kept_groups = 0  # lifetime counters
+        self.dropped_all_correct_groups = self.dropped_all_wrong_groups = 0
+        self.pending_groups = 0  # kept, not yet taken into a batch
+        self.reset()
 
     @classmethod
     def from_config(cls, cfg: AlgorithmConfig) -> "DynamicSamplingFilter":
@@ -331,6 +307,10 @@ class DynamicSamplingFilter:
     @property
     def dropped_groups(self) -> int:
         return self.dropped_all_correct_groups + self.dropped_all_wrong_groups
+
+    @property
+    def consecutive_dropped_groups(self) -> int:
+        return sum(self._streak)
 
     @property
     def batch_full(self) -> bool:
@@ -348,17 +328,13 @@ class DynamicSamplingFilter:
             self.kept_groups += 1
             self.pending_groups += 1
             self._batch[0] += 1
-            self.consecutive_dropped_groups = 0
             self._streak = [0, 0]
             return True
+        self.dropped_all_correct_groups += all_correct
+        self.dropped_all_wrong_groups += all_wrong
         kind = 0 if all_correct else 1
-        if all_correct:
-            self.dropped_all_correct_groups += 1
-        else:
-            self.dropped_all_wrong_groups += 1
         self._batch[1 + kind] += 1
         self._streak[kind] += 1
-        self.consecutive_dropped_groups += 1
         if (self.max_dropped_groups and not self.batch_full
                 and self.consecutive_dropped_groups >= self.max_dropped_groups):
             raise DynamicSamplingStalled(self._stall_message())
@@ -369,19 +345,17 @@ class DynamicSamplingFilter:
         if not self.batch_full:
             raise RuntimeError(f"take_batch: only {self.pending_groups}/{self.num_groups_per_batch} "
                                "groups are pending; wait for batch_full")
-        self.pending_groups -= self.num_groups_per_batch
         stats = FilterStats(*self._batch)
-        self._batch = [0, 0, 0]
-        self.consecutive_dropped_groups = 0
-        self._streak = [0, 0]
+        pending = self.pending_groups - self.num_groups_per_batch
+        self.reset()
+        self.pending_groups = pending
         return stats
 
     def reset(self) -> None:
-        """Forget pending groups and the drop streak (lifetime counters are kept)."""
+        """Forget pending groups, per-batch stats and the drop streak (lifetime counters stay)."""
         self.pending_groups = 0
-        self.consecutive_dropped_groups = 0
-        self._streak = [0, 0]
-        self._batch = [0, 0, 0]
+        self._streak = [0, 0]  # (all-correct, all-wrong) drops in a row, for the message
+        self._batch = [0, 0, 0]  # (kept, all-correct, all-wrong) since the last take_batch
 
     def _stall_message(self) -> str:
         n_correct, n_wrong = self._streak
