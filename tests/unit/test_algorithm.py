@@ -468,3 +468,13 @@ def test_filter_from_config_and_reset():
     assert f.pending_groups == 0 and f.kept_groups == 1 and f.dropped_groups == 6
     with pytest.raises(ValueError, match="num_groups_per_batch"):
         DynamicSamplingFilter(0, 1)
+
+
+def test_policy_loss_rejects_mismatched_shapes():
+    logp, prox, adv, mask = per_token_batch()
+    with pytest.raises(ValueError, match="behavior_logp"):
+        policy_loss(logp, prox, adv, mask, behavior_logp=prox[:, :3])
+    with pytest.raises(ValueError, match="advantages"):
+        policy_loss(logp, prox, adv[:, :3], mask)
+    with pytest.raises(ValueError, match="mask"):
+        policy_loss(logp, prox, adv, mask[:1])
