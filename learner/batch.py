@@ -23,8 +23,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
+
+from dapo.algorithm import group_advantages
+from dapo.config import AlgorithmConfig
+from dapo.wire import TrajectoryGroup
 
 _INT_COLS = 4  # per sequence: seq_len, prompt_len, minibatch, microbatch
 
@@ -55,6 +60,52 @@ class SampleBatch:
     def offsets(self) -> torch.Tensor:
         """int64 [S + 1]: start of each sequence in ``tokens``."""
         return torch.cat([torch.zeros(1, dtype=torch.int64), self.seq_lens.cumsum(0)])
+
+
+def from_groups(groups: list[TrajectoryGroup], algorithm: AlgorithmConfig) -> SampleBatch:
+    """Columnar batch of N groups (group i -> mini-batch i // (N / M)), with advantages.
+
+    Overlong filtering (``algorithm.overlong_filter``) zeroes the loss mask of truncated samples;
+    they still count in their group's advantage statistics, as in the paper.
+    """
+    toks, seq_lens, prompt_lens, gidx, logps, masks, rewards = [], [], [], [], [], [], []
+    for gi, grp in enumerate(groups):
+        prompt = torch.from_numpy(grp.prompt_ids.astype(np.int64))
+        p = int(prompt.numel())
+        for si, sl in enumerate(grp.response_slices()):
+            resp = torch.from_numpy(grp.response_ids[sl].astype(np.int64))
+            mask = torch.from_numpy(grp.loss_mask[sl].astype(np.float32))
+            if algorithm.overlong_filter and grp.finish_reasons[si] == "length":
+                mask = torch.zeros_like(mask)
+            toks += [prompt, resp]
+            logps += [torch.zeros(p), torch.from_numpy(grp.logprobs[sl].astype(np.float32))]
+            masks += [torch.zeros(p), mask]
+            seq_lens.append(p + int(resp.numel()))
+            prompt_lens.append(p)
+            gidx.append(gi)
+        rewards.append(torch.from_numpy(grp.rewards.astype(np.float32)))
+    group_index = torch.tensor(gidx, dtype=torch.int64)
+    adv = group_advantages(torch.cat(rewards), group_index, eps=algorithm.adv_eps,
+                           std_normalize=algorithm.std_normalize)
+    return SampleBatch(torch.cat(toks), torch.tensor(seq_lens, dtype=torch.int64),
+                       torch.tensor(prompt_lens, dtype=torch.int64), group_index, torch.cat(logps),
+                       torch.cat(masks), adv.float())
+
+
+def batch_metrics(groups: list[TrajectoryGroup], version: int) -> dict[str, float]:
+    """Rank-0 metrics of a batch: staleness (learner version - sample version), lengths, accuracy."""
+    lens = np.concatenate([g.response_lengths for g in groups]).astype(np.float64)
+    staleness = np.concatenate([version - g.versions for g in groups]).astype(np.float64)
+    truncated = [r == "length" for g in groups for r in g.finish_reasons]
+    return {
+        "batch/staleness_mean": float(staleness.mean()), "batch/staleness_max": float(staleness.max()),
+        "batch/response_length_mean_tokens": float(lens.mean()),
+        "batch/response_length_max_tokens": float(lens.max()),
+        "batch/accuracy": float(np.concatenate([g.acc for g in groups]).mean()),
+        "batch/reward_mean": float(np.concatenate([g.rewards for g in groups]).mean()),
+        "batch/truncated_fraction": float(np.mean(truncated)),
+        "batch/num_groups": float(len(groups)), "batch/num_samples": float(lens.size),
+    }
 
 
 @dataclass

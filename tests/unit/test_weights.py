@@ -69,3 +69,166 @@ def test_reused_buffer_and_version_checksum_changes_with_weights():
     sd["norm.weight"] = sd["norm.weight"] + 1
     _, man2 = flatten_state_dict(sd, version=1, chunk_bytes=256)
     assert man1.version_checksum != man2.version_checksum
+
+
+# ---------------------------------------------------------------- publisher <-> weight client (loopback)
+
+import socket  # noqa: E402
+import threading  # noqa: E402
+from concurrent import futures  # noqa: E402
+
+from actors.weight_client import (CollectiveWeightReceiver, NetworkWeightClient, SideChannelClient,  # noqa: E402
+                                  WeightFetchError)
+from learner.publisher import WeightPublisher  # noqa: E402
+
+TOKEN = "t0k"
+
+
+def _grpc_server(publisher):
+    """The GetWeightInfo part of the coordinator service, enough for the weight client."""
+    import grpc
+
+    from protos import coordinator_pb2_grpc as pbg
+
+    class Svc(pbg.CoordinatorServicer):
+        def GetWeightInfo(self, request, context):
+            info = publisher.info()
+            if info is None:
+                context.abort(grpc.StatusCode.UNAVAILABLE, "no weights yet")
+            return info
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    pbg.add_CoordinatorServicer_to_server(Svc(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, f"127.0.0.1:{port}"
+
+
+class CorruptingProxy:
+    """TCP proxy that flips one byte of the first `corrupt_count` responses passing through it."""
+
+    def __init__(self, target: str, flip_at: int, corrupt_count: int = 1) -> None:
+        host, _, port = target.rpartition(":")
+        self.target = (host, int(port))
+        self.flip_at, self.left = flip_at, corrupt_count
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            u = socket.create_connection(self.target)
+            threading.Thread(target=self._pipe, args=(c, u, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(u, c, True), daemon=True).start()
+
+    def _pipe(self, src, dst, downstream):
+        seen = 0
+        while True:
+            try:
+                data = src.recv(1 << 20)
+            except OSError:
+                return
+            if not data:
+                dst.close()
+                return
+            if downstream and self.left and seen <= self.flip_at < seen + len(data):
+                data = bytearray(data)
+                data[self.flip_at - seen] ^= 0x01
+                self.left -= 1
+                data = bytes(data)
+            seen += len(data)
+            dst.sendall(data)
+
+
+def _publisher(**kw):
+    return WeightPublisher(host="127.0.0.1", side_channel_port=0, auth_token=TOKEN, chunk_bytes=256,
+                           timeout_s=10.0, **kw)
+
+
+def test_network_path_verifies_and_refetches_a_corrupted_chunk():
+    pub = _publisher()
+    sd = _state_dict()
+    pub.publish(sd, version=1)
+    server, target = _grpc_server(pub)
+    proxy = CorruptingProxy(pub.server.endpoint, flip_at=300)
+    pub.server.endpoint = proxy.endpoint  # announce the proxy: the client's bytes pass through it
+    client = NetworkWeightClient(target, TOKEN, timeout_s=10.0)
+    try:
+        version, out, stats = client.fetch()
+        assert version == 1 and stats.refetched_chunks == 1 and stats.path == "network/tcp"
+        for k in sd:
+            assert torch.equal(out[k], sd[k])
+        sd2 = {k: v + 1 if v.is_floating_point() else v for k, v in sd.items()}
+        pub.publish(sd2, version=2)
+        version, out, stats = client.fetch()
+        assert version == 2 and stats.refetched_chunks == 0 and torch.equal(out["norm.weight"], sd2["norm.weight"])
+    finally:
+        client.close()
+        server.stop(0)
+        pub.close()
+
+
+def test_side_channel_rejects_bad_token_and_unknown_version():
+    pub = _publisher()
+    pub.publish(_state_dict(), version=5)
+    try:
+        dst = memoryview(bytearray(64))
+        with pytest.raises(WeightFetchError, match="closed"):
+            SideChannelClient(pub.server.endpoint, "wrong", 5.0).read_into(dst, 5, 0)
+        with pytest.raises(WeightFetchError, match="closed"):
+            SideChannelClient(pub.server.endpoint, TOKEN, 5.0).read_into(dst, 4, 0)
+        SideChannelClient(pub.server.endpoint, TOKEN, 5.0).read_into(dst, 5, 0)
+        assert pub.server.counters["rejected"] == 2
+    finally:
+        pub.close()
+
+
+def test_collective_path_two_versions_and_corruption_repair():
+    pub = _publisher(collective_port=0, bucket_bytes=200)
+    sd = _state_dict()
+    corrupt = {"left": 1}
+
+    def flip(buf):  # a bit flipped in transit, once
+        if corrupt["left"]:
+            buf[130] ^= 0x10
+            corrupt["left"] -= 1
+
+    port = pub.collective.port
+    results, errors = [], []
+
+    def actor():
+        try:
+            side = SideChannelClient(pub.server.endpoint, TOKEN, 10.0)
+            rx = CollectiveWeightReceiver("127.0.0.1", port, "actor-a", timeout_s=10.0, bucket_bytes=200,
+                                          repair_read=side.read_into, after_receive=flip)
+            for _ in range(2):
+                v, out, stats = rx.receive()
+                results.append((v, {k: t.clone() for k, t in out.items()}, stats))
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    th = threading.Thread(target=actor)
+    th.start()
+    try:
+        # The actor joins asynchronously: publish until a publish picks its join up (and pushes to it).
+        version, m = 0, {}
+        while not m.get("collective_members"):
+            version += 1
+            m = pub.publish(sd, version=version)
+            assert "weights/collective_error" not in m, str(pub.last_collective_error)
+            th.join(0.05)
+        sd2 = {k: v * 2 if v.is_floating_point() else v for k, v in sd.items()}
+        m = pub.publish(sd2, version=version + 1)
+        assert m["collective_members"] == 1.0 and "weights/collective_error" not in m
+        th.join(30)
+        assert not errors, errors
+        (v1, out1, st1), (v2, out2, st2) = results
+        assert (v1, v2) == (version, version + 1)
+        assert st1.refetched_chunks == 1 and st2.refetched_chunks == 0
+        assert all(torch.equal(out1[k], sd[k]) for k in sd) and all(torch.equal(out2[k], sd2[k]) for k in sd)
+    finally:
+        pub.close()

@@ -1,0 +1,285 @@
+"""Actor side of weight publication: the network path and the collective path.
+
+```
+ network:    GetWeightInfo (gRPC) -> manifest + side-channel endpoint
+             -> one raw TCP request for the whole buffer (recv_into a reused buffer)
+             -> verify blake3 per chunk -> refetch bad chunks (range requests) -> state dict
+             (no side channel announced: FetchWeights gRPC stream, the slow fallback)
+ collective: join through the learner's TCPStore -> wait for sync/<s> -> (new generation: build
+             ProcessGroupGloo) -> bucketed broadcast into a reused buffer -> verify -> refetch bad
+             chunks over the network path -> ack timings -> state dict
+```
+
+Every blocking call has a deadline (``timeout_s``). Checksums are always verified; a corrupted
+chunk is refetched up to ``max_refetch`` times before ``WeightFetchError``.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from dapo.weights import TensorEntry, WeightError, WeightManifest, bad_chunks, unflatten
+from protos import coordinator_pb2 as pb
+
+
+class WeightFetchError(RuntimeError):
+    """Weights could not be fetched or verified within the deadline / retry budget."""
+
+
+@dataclass
+class FetchStats:
+    """Time breakdown of one weight fetch on the actor, in seconds, and what was repaired."""
+
+    version: int = -1
+    transfer_s: float = 0.0
+    verify_s: float = 0.0
+    refetched_chunks: int = 0
+    bytes: int = 0
+    path: str = ""
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def manifest_from_info(info: pb.WeightInfo) -> WeightManifest:
+    """Validate a WeightInfo from the network into a WeightManifest (raises WeightError)."""
+    if info.checksum_algorithm not in ("blake3", ""):
+        raise WeightError(f"learner announces checksum {info.checksum_algorithm!r}; this actor verifies blake3")
+    from dapo.weights import _validate  # one validation routine for both paths
+
+    man = WeightManifest(int(info.version), int(info.total_bytes), int(info.chunk_bytes),
+                         tuple(TensorEntry(t.name, t.dtype, tuple(int(s) for s in t.shape), int(t.offset_bytes),
+                                           int(t.nbytes)) for t in info.manifest),
+                         tuple(info.chunk_checksums), info.version_checksum)
+    _validate(man)
+    return man
+
+
+class SideChannelClient:
+    """Raw TCP range reads from the learner's side channel (one persistent connection)."""
+
+    def __init__(self, endpoint: str, auth_token: str, timeout_s: float) -> None:
+        host, _, port = endpoint.rpartition(":")
+        self._addr = (host, int(port))
+        self._token = auth_token
+        self._timeout_s = timeout_s
+        self._sock: socket.socket | None = None
+
+    def _connect(self) -> socket.socket:
+        if self._sock is None:
+            deadline = time.monotonic() + self._timeout_s
+            while True:
+                try:
+                    self._sock = socket.create_connection(self._addr, timeout=self._timeout_s)
+                    break
+                except OSError as exc:  # the learner may not be listening yet: retry until the deadline
+                    if time.monotonic() > deadline:
+                        raise WeightFetchError(f"cannot connect to weight side channel {self._addr}: {exc}") from exc
+                    time.sleep(0.05)
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return self._sock
+
+    def read_into(self, dst: memoryview, version: int, offset: int) -> None:
+        """Fill ``dst`` with bytes [offset, offset + len(dst)) of ``version``."""
+        sock = self._connect()
+        req = pb.WeightRangeRequest(auth_token=self._token, version=version, offset_bytes=offset,
+                                    length_bytes=len(dst)).SerializeToString()
+        try:
+            sock.sendall(struct.pack("<I", len(req)) + req)
+            got = 0
+            while got < len(dst):
+                n = sock.recv_into(dst[got:])
+                if n == 0:
+                    raise ConnectionError(f"learner closed the side channel after {got} of {len(dst)} bytes "
+                                          f"(version {version} no longer held, or the request was rejected)")
+                got += n
+        except (OSError, ConnectionError) as exc:
+            self.close()
+            raise WeightFetchError(f"side-channel read of version {version} [{offset}, +{len(dst)}) failed: {exc}") \
+                from exc
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+def repair(buf: torch.Tensor, manifest: WeightManifest, read_range: Callable[[memoryview, int], None],
+           max_refetch: int) -> int:
+    """Verify every chunk; refetch bad ones with ``read_range(dst, offset)``. Returns chunks refetched."""
+    bad = bad_chunks(buf, manifest)
+    refetched = 0
+    mv = memoryview(buf.numpy())
+    for _ in range(max_refetch):
+        if not bad:
+            return refetched
+        for i in bad:
+            start, length = manifest.chunk_range(i)
+            read_range(mv[start:start + length], start)
+            refetched += 1
+        bad = bad_chunks(buf, manifest, bad)
+    if bad:
+        raise WeightFetchError(f"version {manifest.version}: chunks {bad} still fail their blake3 checksum "
+                               f"after {max_refetch} refetches; the learner's buffer or the network is corrupt")
+    return refetched
+
+
+class _Buffers:
+    """One reusable receive buffer (first-touch page faults cost ~30x a memcpy)."""
+
+    def __init__(self) -> None:
+        self._buf = torch.empty(0, dtype=torch.uint8)
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        if self._buf.numel() < nbytes:
+            self._buf = torch.empty(nbytes, dtype=torch.uint8)
+        return self._buf[:nbytes]
+
+
+class NetworkWeightClient:
+    """Fetch the latest weights: gRPC GetWeightInfo, bulk bytes over the raw TCP side channel.
+
+    The returned state dict is a set of views of a reused buffer: load it into the engine before
+    the next fetch.
+    """
+
+    def __init__(self, grpc_target: str, auth_token: str, *, timeout_s: float, max_refetch: int = 3) -> None:
+        import grpc
+
+        from protos import coordinator_pb2_grpc as pbg
+
+        self._token = auth_token
+        self._timeout_s = timeout_s
+        self._max_refetch = max_refetch
+        opts = [("grpc.max_receive_message_length", 64 << 20)]
+        self._channel = grpc.insecure_channel(grpc_target, options=opts)
+        self._stub = pbg.CoordinatorStub(self._channel)
+        self._side: SideChannelClient | None = None
+        self._buffers = _Buffers()
+
+    def info(self, actor_id: int = 0) -> pb.WeightInfo:
+        return self._stub.GetWeightInfo(pb.WeightInfoRequest(actor_id=actor_id), timeout=self._timeout_s,
+                                        metadata=(("x-dapo-token", self._token),))
+
+    def fetch(self, actor_id: int = 0) -> tuple[int, dict[str, torch.Tensor], FetchStats]:
+        info = self.info(actor_id)
+        manifest = manifest_from_info(info)
+        buf = self._buffers.get(manifest.total_bytes)
+        stats = FetchStats(version=manifest.version, bytes=manifest.total_bytes)
+        t0 = time.perf_counter()
+        if info.side_channel_endpoint:
+            if self._side is None:
+                self._side = SideChannelClient(info.side_channel_endpoint, self._token, self._timeout_s)
+            read = lambda dst, off: self._side.read_into(dst, manifest.version, off)  # noqa: E731
+            stats.path = "network/tcp"
+        else:
+            read = lambda dst, off: self._grpc_read(dst, manifest.version, off)  # noqa: E731
+            stats.path = "network/grpc"
+        read(memoryview(buf.numpy()), 0)
+        t1 = time.perf_counter()
+        stats.refetched_chunks = repair(buf, manifest, read, self._max_refetch)
+        stats.transfer_s, stats.verify_s = t1 - t0, time.perf_counter() - t1
+        return manifest.version, unflatten(buf, manifest), stats
+
+    def _grpc_read(self, dst: memoryview, version: int, offset: int) -> None:
+        stream = self._stub.FetchWeights(pb.FetchWeightsRequest(version=version, offset_bytes=offset,
+                                                                length_bytes=len(dst)),
+                                         timeout=self._timeout_s, metadata=(("x-dapo-token", self._token),))
+        for chunk in stream:
+            start = chunk.offset_bytes - offset
+            dst[start:start + len(chunk.data)] = chunk.data
+
+    def close(self) -> None:
+        if self._side is not None:
+            self._side.close()
+        self._channel.close()
+
+
+class CollectiveWeightReceiver:
+    """Actor side of the collective path (see learner/publisher.py ``CollectiveBroadcaster``).
+
+    Call ``receive()`` in a loop (a background thread): the learner's broadcast waits for every
+    member, so a member that does not call it stalls the sync until the learner's timeout.
+    ``repair_read(dst, version, offset)`` refetches corrupted chunks (e.g. a SideChannelClient).
+    """
+
+    def __init__(self, host: str, port: int, name: str, *, timeout_s: float, bucket_bytes: int = 64 << 20,
+                 repair_read: Callable[[memoryview, int, int], None] | None = None, max_refetch: int = 3,
+                 after_receive: Callable[[torch.Tensor], None] | None = None) -> None:
+        self.name = name
+        self._timeout = timedelta(seconds=timeout_s)
+        self._bucket_bytes = bucket_bytes
+        self._repair_read = repair_read
+        self._max_refetch = max_refetch
+        self._after_receive = after_receive  # fault injection in tests (corrupt bytes in transit)
+        self.store = dist.TCPStore(host, port, is_master=False, timeout=self._timeout)
+        self._pg = None
+        self._gen = -1
+        self._buffers = _Buffers()
+        self._join()
+
+    def _join(self) -> None:
+        ticket = self.store.add("join_seq", 1)
+        self.store.set(f"join/{ticket}", self.name)
+        self._ticket = ticket
+        self._sync: int | None = None
+
+    def receive(self) -> tuple[int, dict[str, torch.Tensor], FetchStats]:
+        """Block until the next sync this actor is in (bounded by timeout_s) and return its weights."""
+        if self._sync is None:  # the learner tells a new member the first sync it takes part in
+            self._sync = int(self.store.get(f"join/{self._ticket}/sync"))
+        key = f"sync/{self._sync}"
+        self.store.wait([key], self._timeout)
+        meta = json.loads(self.store.get(key))
+        if self.name not in meta["members"]:  # evicted after a failed sync: rejoin for the next one
+            self._pg, self._gen = None, -1
+            self._join()
+            return self.receive()
+        t0 = time.perf_counter()
+        manifest = WeightManifest.from_json(self.store.get(f"manifest/{meta['version']}"))
+        if meta["gen"] != self._gen:
+            prefix = dist.PrefixStore(f"gen/{meta['gen']}/", self.store)
+            self._pg = dist.ProcessGroupGloo(prefix, meta["members"].index(self.name) + 1,
+                                             len(meta["members"]) + 1, self._timeout)
+            self._gen = meta["gen"]
+        buf = self._buffers.get(manifest.total_bytes)
+        t1 = time.perf_counter()
+        try:
+            for start in range(0, buf.numel(), self._bucket_bytes):
+                work = self._pg.broadcast(buf[start:start + self._bucket_bytes], 0, self._timeout)
+                if not work.wait(self._timeout):
+                    raise TimeoutError(f"bucket at byte {start}")
+        except Exception as exc:  # noqa: BLE001 - the group is unusable; rejoin next time
+            self._pg, self._gen = None, -1
+            self._join()
+            raise WeightFetchError(f"collective receive of version {manifest.version} failed: {exc}; "
+                                   f"rejoined for the next sync") from exc
+        t2 = time.perf_counter()
+        if self._after_receive is not None:
+            self._after_receive(buf)
+        read = (lambda dst, off: self._repair_read(dst, manifest.version, off)) if self._repair_read else None
+        if read is None:
+            bad = bad_chunks(buf, manifest)
+            if bad:
+                raise WeightFetchError(f"version {manifest.version}: chunks {bad} fail their checksum and no "
+                                       f"repair path is configured")
+            refetched = 0
+        else:
+            refetched = repair(buf, manifest, read, self._max_refetch)
+        t3 = time.perf_counter()
+        stats = FetchStats(manifest.version, t2 - t1, t3 - t2, refetched, manifest.total_bytes, "collective",
+                           {"group_s": t1 - t0})
+        self.store.set(f"ack/{self._sync}/{self.name}", json.dumps(
+            {"transfer_s": stats.transfer_s, "verify_s": stats.verify_s, "refetched": refetched}))
+        self._sync += 1
+        return manifest.version, unflatten(buf, manifest), stats
+
+    def close(self) -> None:
+        self._pg = None
