@@ -1,0 +1,407 @@
+"""Coordinator: the data cursor, the policy version, prompt leases and actor liveness.
+
+```
+            lease()                      complete_lease()          mark_trained()
+ cursor ──────────────> active lease ───────────────────> queued ──────────────> trained
+ (epochs, ▲  pending  │  (actor generating)  │ drop_filtered() (dynamic sampling: done)
+ shuffled)│  re-issue │ heartbeat miss,      │ requeue_stale() (too old at consumption)
+          └───────────┴─ leave, return, lease timeout ◄────────────────────────────┘
+```
+
+Exactly once: a prompt has at most one active lease; a group is accepted only for an active
+lease (``complete_lease``), so a group whose lease was re-issued is dropped, never trained twice;
+every lease that does not complete goes back to ``pending`` and is re-issued first, so no prompt
+is lost. Prompt ids are unique across epochs: ``epoch * len(source) + row``, the row order a
+seeded permutation per epoch (``prompt_id % len(source)`` is the row).
+
+Staleness at dispatch (DESIGN.md, the AReaL rule), with N = groups per step and k = max
+staleness: a prompt is leased only while ``in_flight + accepted_or_trained < (version + k + 1) * N``
+and only to an actor whose weights are >= ``version - k``. Groups dropped by dynamic sampling or
+as too stale free their slot. Lease credit bounds the replay queue: ``in_flight + queued <
+queue_max_groups``, so the queue never holds more decoded groups than that.
+
+Thread-safe (one lock; the gRPC servicer, the replay receiver and the learner call in). No
+threads of its own: expiry runs lazily at the start of every call, against an injectable clock.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
+
+from dapo.config import DapoConfig
+
+LEASE_DENIALS = ("staleness_bound", "weights_too_old", "data_exhausted", "queue_full", "shutting_down")
+"""Why ``lease`` granted fewer prompts than asked ("" = all granted)."""
+STATE_FORMAT = 1
+
+
+class PromptSource(Protocol):
+    """Training prompts by row (``dapo.data.PromptDataset`` satisfies it)."""
+
+    def __len__(self) -> int: ...
+
+    def get(self, index: int) -> tuple[Sequence[int], str, str]:
+        """Row ``index`` as (prompt token ids, data_source, ground_truth); a NamedTuple is fine."""
+        ...
+
+
+class UnknownActor(KeyError):
+    """The actor id is not registered (never was, declared dead, or from a previous learner run)."""
+
+    def __init__(self, actor_id: int) -> None:
+        super().__init__(actor_id)
+        self.actor_id = actor_id
+
+    def __str__(self) -> str:
+        return (f"actor {self.actor_id} is not registered with this coordinator (it missed heartbeats, "
+                f"left, or registered with a previous learner run): call Register again")
+
+
+@dataclass(frozen=True)
+class LeaseGrant:
+    lease_id: int
+    prompt_id: int
+    prompt_token_ids: list[int]
+    data_source: str
+    ground_truth: str
+
+
+@dataclass
+class LeaseResult:
+    leases: list[LeaseGrant]
+    denial: str
+    """'' when every asked-for prompt was granted, else one of LEASE_DENIALS."""
+    retry_after_s: float
+    latest_version: int
+
+
+@dataclass
+class ActorInfo:
+    actor_id: int
+    name: str
+    capabilities: dict[str, Any]
+    weight_version: int
+    last_seen_s: float
+    lease_ids: set[int] = field(default_factory=set)
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Lease:
+    lease_id: int
+    prompt_id: int
+    actor_id: int
+    issued_at_s: float
+
+
+class Coordinator:
+    def __init__(self, source: PromptSource, *, num_prompts_per_step: int, max_staleness_steps: int,
+                 queue_max_groups: int, heartbeat_timeout_s: float, lease_timeout_s: float,
+                 lease_retry_after_s: float = 0.25, seed: int = 0, shuffle: bool = True,
+                 max_epochs: int = 0, run_id: str | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if len(source) < 1:
+            raise ValueError("Coordinator: the prompt source is empty; check data.train_path")
+        if num_prompts_per_step < 1 or max_staleness_steps < 0 or queue_max_groups < 1:
+            raise ValueError(f"Coordinator: need N >= 1, k >= 0, queue_max_groups >= 1; got "
+                             f"{num_prompts_per_step}, {max_staleness_steps}, {queue_max_groups}")
+        self.source = source
+        self.num_prompts_per_step = num_prompts_per_step
+        self.max_staleness_steps = max_staleness_steps
+        self.queue_max_groups = queue_max_groups
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.lease_timeout_s = lease_timeout_s
+        self.lease_retry_after_s = lease_retry_after_s
+        self.seed, self.shuffle, self.max_epochs = seed, shuffle, max_epochs
+        self.run_id = run_id or secrets.token_hex(8)
+        self._clock = clock
+        self._lock = threading.RLock()
+        self._num_rows = len(source)
+        self._version = 0
+        self._epoch, self._position = 0, 0
+        self._perm_epoch, self._perm = -1, np.zeros(0, np.int64)
+        # Actor ids start at a random base so an id from a previous learner run is never reused.
+        self._next_actor_id = secrets.randbelow(1 << 40) << 20
+        self._next_lease_id = 1
+        self._actors: dict[int, ActorInfo] = {}
+        self._active: dict[int, _Lease] = {}
+        self._active_prompts: set[int] = set()
+        self._pending: deque[int] = deque()
+        self._queued: set[int] = set()
+        self._trained: set[int] = set()
+        self._shutdown = False
+        self._counters: dict[str, int] = {}
+
+    @classmethod
+    def from_config(cls, cfg: DapoConfig, source: PromptSource, **kwargs: Any) -> "Coordinator":
+        t, a = cfg.transport, cfg.algorithm
+        return cls(source, num_prompts_per_step=a.num_prompts_per_step, max_staleness_steps=a.max_staleness_steps,
+                   queue_max_groups=t.queue_max_groups, heartbeat_timeout_s=t.heartbeat_timeout_s,
+                   lease_timeout_s=t.lease_timeout_s, lease_retry_after_s=t.lease_retry_after_s,
+                   seed=cfg.run.seed, **kwargs)
+
+    # ------------------------------------------------------------------ version, shutdown
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        """The learner published ``version`` (called after each training step)."""
+        with self._lock:
+            if version < self._version:
+                raise ValueError(f"set_version({version}): versions only increase (now {self._version})")
+            self._version = version
+
+    def request_shutdown(self) -> None:
+        """Stop leasing; heartbeats tell actors to leave."""
+        with self._lock:
+            self._shutdown = True
+
+    # ------------------------------------------------------------------ actors
+
+    def register(self, name: str, capabilities: dict[str, Any] | None = None) -> int:
+        with self._lock:
+            self._expire_locked()
+            self._next_actor_id += 1
+            actor_id = self._next_actor_id
+            self._actors[actor_id] = ActorInfo(actor_id, name, dict(capabilities or {}), -1, self._clock())
+            self._count("actors_registered")
+            return actor_id
+
+    def heartbeat(self, actor_id: int, weight_version: int, counters: dict[str, int] | None = None) -> tuple[int, bool]:
+        """Returns (latest version, shutdown). Raises UnknownActor."""
+        with self._lock:
+            actor = self._touch(actor_id)
+            actor.weight_version = weight_version
+            if counters is not None:
+                actor.counters = dict(counters)
+            return self._version, self._shutdown
+
+    def leave(self, actor_id: int) -> int:
+        """Forget the actor; its leases are re-issued. Returns how many it held."""
+        with self._lock:
+            actor = self._touch(actor_id)
+            n = self._drop_actor_locked(actor, "leases_returned_on_leave")
+            self._count("actors_left")
+            return n
+
+    def expire(self) -> None:
+        """Declare silent actors dead and time out old leases (also runs at every call)."""
+        with self._lock:
+            self._expire_locked()
+
+    # ------------------------------------------------------------------ leases
+
+    def lease(self, actor_id: int, num_prompts: int, weight_version: int) -> LeaseResult:
+        if num_prompts < 1:
+            raise ValueError(f"lease: num_prompts = {num_prompts}, expected >= 1")
+        with self._lock:
+            actor = self._touch(actor_id)
+            actor.weight_version = weight_version
+            n, k = self.num_prompts_per_step, self.max_staleness_steps
+            slots = (self._version + k + 1) * n - (len(self._active) + len(self._queued) + len(self._trained))
+            credit = self.queue_max_groups - (len(self._active) + len(self._queued))
+            # The first binding limit is the reason reported when fewer than asked are granted.
+            # Ties go to the earlier entry: an actionable reason (shut down, load weights) first.
+            limits = [(num_prompts, ""), (0 if self._shutdown else num_prompts, "shutting_down"),
+                      (0 if weight_version < self._version - k else num_prompts, "weights_too_old"),
+                      (max(slots, 0), "staleness_bound"), (max(credit, 0), "queue_full")]
+            want, denial = min(limits, key=lambda lim: lim[0])
+            grants = []
+            for _ in range(max(want, 0)):
+                prompt_id = self._next_prompt_locked()
+                if prompt_id is None:
+                    denial = "data_exhausted"
+                    break
+                grants.append(self._grant_locked(actor, prompt_id))
+            if denial:
+                self._count(f"lease_denied/{denial}")
+            retry = 0.0 if denial in ("", "weights_too_old") else self.lease_retry_after_s
+            return LeaseResult(grants, denial, retry, self._version)
+
+    def return_leases(self, actor_id: int, lease_ids: Sequence[int]) -> int:
+        with self._lock:
+            actor = self._touch(actor_id)
+            returned = 0
+            for lease_id in lease_ids:
+                if lease_id in actor.lease_ids:
+                    self._reissue_locked(self._active[lease_id], "leases_returned")
+                    returned += 1
+            return returned
+
+    def complete_lease(self, lease_id: int, actor_id: int, prompt_id: int) -> str:
+        """A group for this lease reached the queue. Returns '' when accepted (the prompt is now
+        queued), else the drop reason: 'lease_not_active' (expired, re-issued, completed, or
+        never issued) or 'lease_mismatch' (prompt or actor differ from the lease)."""
+        with self._lock:
+            self._expire_locked()
+            lease = self._active.get(lease_id)
+            if lease is None:
+                self._count("groups_late")
+                return "lease_not_active"
+            if lease.prompt_id != prompt_id or lease.actor_id != actor_id:
+                self._count("groups_mismatched")
+                return "lease_mismatch"
+            self._end_lease_locked(lease)
+            self._queued.add(prompt_id)
+            actor = self._actors.get(actor_id)
+            if actor is not None:
+                actor.last_seen_s = self._clock()
+            self._count("leases_completed")
+            return ""
+
+    def drop_filtered(self, prompt_id: int) -> None:
+        """Dynamic sampling dropped the queued group: the prompt is done, its slot is free."""
+        with self._lock:
+            self._queued.remove(prompt_id)
+            self._count("groups_filtered")
+
+    def requeue_stale(self, prompt_id: int) -> None:
+        """The queued group was too stale at consumption: re-issue the prompt, free its slot."""
+        with self._lock:
+            self._queued.remove(prompt_id)
+            self._pending.appendleft(prompt_id)
+            self._count("groups_requeued_stale")
+
+    def mark_trained(self, prompt_ids: Sequence[int]) -> None:
+        """These queued groups were handed to the learner."""
+        with self._lock:
+            for prompt_id in prompt_ids:
+                assert prompt_id in self._queued and prompt_id not in self._trained, prompt_id
+            for prompt_id in prompt_ids:
+                self._queued.remove(prompt_id)
+                self._trained.add(prompt_id)
+            self._count("groups_trained", len(prompt_ids))
+
+    # ------------------------------------------------------------------ introspection
+
+    def counters(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counters)
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            self._expire_locked()
+            now = self._clock()
+            return {
+                "run_id": self.run_id, "version": self._version, "epoch": self._epoch,
+                "active_leases": len(self._active), "pending_reissue": len(self._pending),
+                "queued_groups": len(self._queued), "trained_groups": len(self._trained),
+                "shutdown": self._shutdown,
+                "actors": [{"actor_id": a.actor_id, "name": a.name, "weight_version": a.weight_version,
+                            "last_seen_age_s": now - a.last_seen_s, "active_leases": len(a.lease_ids),
+                            "counters": dict(a.counters), "capabilities": dict(a.capabilities)}
+                           for a in self._actors.values()],
+                "counters": dict(self._counters),
+            }
+
+    def trained_prompt_ids(self) -> set[int]:
+        with self._lock:
+            return set(self._trained)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain ints and lists. Active leases and queued (not yet trained) groups are saved as
+        pending prompts: after a restart they are re-issued, so nothing is lost."""
+        with self._lock:
+            active = sorted(lease.prompt_id for lease in self._active.values())
+            return {
+                "format": STATE_FORMAT, "num_rows": self._num_rows, "seed": self.seed, "shuffle": self.shuffle,
+                "version": self._version, "epoch": self._epoch, "position": self._position,
+                "next_lease_id": self._next_lease_id,
+                "pending": sorted(self._queued) + active + list(self._pending),
+                "trained": sorted(self._trained), "counters": dict(self._counters),
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self._lock:
+            if state["format"] != STATE_FORMAT:
+                raise ValueError(f"coordinator state format {state['format']}, expected {STATE_FORMAT}")
+            if state["num_rows"] != self._num_rows or state["seed"] != self.seed or state["shuffle"] != self.shuffle:
+                raise ValueError(
+                    f"coordinator checkpoint was written for {state['num_rows']} prompts (seed {state['seed']}, "
+                    f"shuffle {state['shuffle']}), this run has {self._num_rows} (seed {self.seed}, shuffle "
+                    f"{self.shuffle}); resume with the same data.train_path and run.seed")
+            if self._active or self._queued or self._trained:
+                raise RuntimeError("load_state_dict: call before any lease is issued")
+            self._version, self._epoch, self._position = state["version"], state["epoch"], state["position"]
+            self._next_lease_id = state["next_lease_id"]
+            self._pending = deque(int(p) for p in state["pending"])
+            self._trained = {int(p) for p in state["trained"]}
+            self._counters = dict(state["counters"])
+
+    # ------------------------------------------------------------------ internals
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self._counters[name] = self._counters.get(name, 0) + n
+
+    def _touch(self, actor_id: int) -> ActorInfo:
+        self._expire_locked()
+        actor = self._actors.get(actor_id)
+        if actor is None:
+            self._count("unknown_actor_calls")
+            raise UnknownActor(actor_id)
+        actor.last_seen_s = self._clock()
+        return actor
+
+    def _expire_locked(self) -> None:
+        now = self._clock()
+        for actor in [a for a in self._actors.values() if now - a.last_seen_s > self.heartbeat_timeout_s]:
+            self._drop_actor_locked(actor, "leases_expired_heartbeat")
+            self._count("actors_expired")
+        for lease in [l for l in self._active.values() if now - l.issued_at_s > self.lease_timeout_s]:
+            self._reissue_locked(lease, "leases_expired_timeout")
+
+    def _drop_actor_locked(self, actor: ActorInfo, counter: str) -> int:
+        n = len(actor.lease_ids)
+        for lease_id in sorted(actor.lease_ids):
+            self._reissue_locked(self._active[lease_id], counter)
+        del self._actors[actor.actor_id]
+        return n
+
+    def _end_lease_locked(self, lease: _Lease) -> None:
+        del self._active[lease.lease_id]
+        self._active_prompts.discard(lease.prompt_id)
+        actor = self._actors.get(lease.actor_id)
+        if actor is not None:
+            actor.lease_ids.discard(lease.lease_id)
+
+    def _reissue_locked(self, lease: _Lease, counter: str) -> None:
+        self._end_lease_locked(lease)
+        self._pending.append(lease.prompt_id)
+        self._count(counter)
+
+    def _grant_locked(self, actor: ActorInfo, prompt_id: int) -> LeaseGrant:
+        token_ids, data_source, ground_truth = self.source.get(prompt_id % self._num_rows)
+        assert prompt_id not in self._active_prompts and prompt_id not in self._queued, prompt_id
+        lease = _Lease(self._next_lease_id, prompt_id, actor.actor_id, self._clock())
+        self._next_lease_id += 1
+        self._active[lease.lease_id] = lease
+        self._active_prompts.add(prompt_id)
+        actor.lease_ids.add(lease.lease_id)
+        self._count("leases_issued")
+        return LeaseGrant(lease.lease_id, prompt_id, [int(t) for t in token_ids], str(data_source), str(ground_truth))
+
+    def _next_prompt_locked(self) -> int | None:
+        if self._pending:
+            return self._pending.popleft()
+        if self.max_epochs and self._epoch >= self.max_epochs:
+            return None
+        if self._perm_epoch != self._epoch:
+            rng = np.random.default_rng([self.seed, self._epoch])
+            self._perm = rng.permutation(self._num_rows) if self.shuffle else np.arange(self._num_rows)
+            self._perm_epoch = self._epoch
+        prompt_id = self._epoch * self._num_rows + int(self._perm[self._position])
+        self._position += 1
+        if self._position == self._num_rows:
+            self._epoch, self._position = self._epoch + 1, 0
+        return prompt_id

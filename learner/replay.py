@@ -1,0 +1,285 @@
+"""Replay queue: trajectory groups from actors -> batches of N groups for the learner.
+
+```
+ actors --ZMQ PUSH--> [PULL socket, RCVHWM] --receiver thread--> decode_group (auth, validate)
+                                                   │  run id, lease (coordinator.complete_lease),
+                                                   │  version sanity, dynamic-sampling filter
+                                                   ▼
+                       ReplayBuffer: deque of <= queue_max_groups decoded groups
+                                                   │  get_batch(): staleness check at consumption
+                                                   ▼
+                                           learner: N groups
+```
+
+Every message is counted exactly once: accepted, or dropped with a reason (a ``WireError``
+reason, ``wrong_run``, ``lease_not_active``, ``lease_mismatch``, ``future_version``,
+``internal_error``) or filtered by dynamic sampling. Groups held at consumption that are older
+than k versions are dropped and their prompts re-issued (``stale_at_consumption``).
+
+Memory is bounded three ways: the coordinator's lease credit (in flight + queued <
+queue_max_groups, so groups with an active lease never exceed it), the buffer's own cap (the
+receiver stops reading when full), and ZMQ's RCVHWM + MAXMSGSIZE (then actors' sends block
+until their send timeout) for whatever a misbehaving sender pushes.
+
+``ReplayBuffer`` holds the socket-free logic (tested in-process); ``ReplayQueue`` adds the socket
+and the receiver thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any, Sequence
+
+import zmq
+
+from dapo.algorithm import DynamicSamplingFilter, DynamicSamplingStalled, FilterStats
+from dapo.config import DapoConfig
+from dapo.wire import NUM_FRAMES, TrajectoryGroup, WireError, decode_group
+from learner.coordinator import Coordinator
+
+log = logging.getLogger(__name__)
+
+RECEIVER_POLL_S = 0.05
+"""How often the receiver thread checks for stop while idle, in seconds."""
+
+
+class ReplayBuffer:
+    """Admission, holding and batching of decoded groups. Thread-safe."""
+
+    def __init__(self, coordinator: Coordinator, *, num_groups_per_batch: int, max_staleness_steps: int,
+                 max_groups: int, dynamic_filter: DynamicSamplingFilter) -> None:
+        self.coordinator = coordinator
+        self.num_groups_per_batch = num_groups_per_batch
+        self.max_staleness_steps = max_staleness_steps
+        self.max_groups = max_groups
+        self.filter = dynamic_filter
+        self._groups: deque[TrajectoryGroup] = deque()
+        self._cond = threading.Condition()
+        self._stalled: DynamicSamplingStalled | None = None
+        self._closed = False
+        self.counts: dict[str, int] = {}
+        self.staleness_hist: dict[int, int] = {}
+        self.max_depth_groups = 0
+        self.last_filter_stats: FilterStats | None = None
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._cond:
+            self.counts[name] = self.counts.get(name, 0) + n
+
+    @property
+    def depth(self) -> int:
+        return len(self._groups)
+
+    def wait_for_space(self, timeout_s: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: len(self._groups) < self.max_groups or self._closed, timeout_s)
+
+    def admit(self, group: TrajectoryGroup) -> str:
+        """Offer a decoded group; returns '' (held), 'filtered', or the drop reason (counted)."""
+        coord = self.coordinator
+        if group.run_id != coord.run_id:
+            return self._drop("wrong_run")
+        reason = coord.complete_lease(group.lease_id, group.actor_id, group.prompt_id)
+        if reason:
+            return self._drop(reason)
+        # From here the lease is complete and the prompt queued: every path must settle it.
+        newest = max(int(group.versions.max()), int(group.version_changes[:, 2].max(initial=0)))
+        if newest > coord.version:
+            coord.requeue_stale(group.prompt_id)
+            return self._drop("future_version")
+        with self._cond:  # the filter's state is shared with take_batch
+            try:
+                keep = self.filter.offer(group.acc)
+            except DynamicSamplingStalled as exc:
+                keep, self._stalled = False, exc
+                self._cond.notify_all()
+            if not keep:
+                coord.drop_filtered(group.prompt_id)
+                self.counts["filtered"] = self.counts.get("filtered", 0) + 1
+                return "filtered"
+            self._groups.append(group)
+            self.counts["accepted"] = self.counts.get("accepted", 0) + 1
+            self.max_depth_groups = max(self.max_depth_groups, len(self._groups))
+            self._cond.notify_all()
+        return ""
+
+    def take_batch(self, timeout_s: float) -> list[TrajectoryGroup]:
+        """N groups no older than k versions at the coordinator's current version; raises
+        TimeoutError after ``timeout_s`` (groups taken so far go back) or DynamicSamplingStalled."""
+        deadline = time.monotonic() + timeout_s
+        batch: list[TrajectoryGroup] = []
+        with self._cond:
+            while len(batch) < self.num_groups_per_batch:
+                if self._stalled is not None:
+                    self._groups.extendleft(reversed(batch))
+                    exc, self._stalled = self._stalled, None
+                    raise exc
+                if self._groups:
+                    group = self._groups.popleft()
+                    if self.coordinator.version - group.min_version > self.max_staleness_steps:
+                        self.coordinator.requeue_stale(group.prompt_id)
+                        self.counts["dropped/stale_at_consumption"] = self.counts.get(
+                            "dropped/stale_at_consumption", 0) + 1
+                        # keep the filter's "kept, not yet batched" count equal to what is held
+                        self.filter.pending_groups -= 1
+                        self._cond.notify_all()
+                        continue
+                    batch.append(group)
+                    continue
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._closed:
+                    self._groups.extendleft(reversed(batch))
+                    raise TimeoutError(
+                        f"replay queue: {len(batch)}/{self.num_groups_per_batch} groups after {timeout_s:.1f} s "
+                        f"(counters {self.counts}); are actors running and registered? see the coordinator "
+                        f"Status for leases and denials, or raise learner.batch_wait_timeout_s")
+                self._cond.wait(remaining)
+            version = self.coordinator.version
+            for group in batch:
+                staleness = version - group.min_version
+                self.staleness_hist[staleness] = self.staleness_hist.get(staleness, 0) + 1
+            self.coordinator.mark_trained([g.prompt_id for g in batch])
+            if self.filter.batch_full:
+                self.last_filter_stats = self.filter.take_batch()
+            self._cond.notify_all()
+        return batch
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def _drop(self, reason: str) -> str:
+        self.count(f"dropped/{reason}")
+        return reason
+
+    def snapshot(self) -> dict[str, float]:
+        with self._cond:
+            out: dict[str, float] = {k: float(v) for k, v in self.counts.items()}
+            out["depth_groups"] = float(len(self._groups))
+            out["max_depth_groups"] = float(self.max_depth_groups)
+            kept, filtered = self.counts.get("accepted", 0), self.counts.get("filtered", 0)
+            out["filtered_fraction"] = filtered / (kept + filtered) if kept + filtered else 0.0
+            for staleness, n in self.staleness_hist.items():
+                out[f"staleness/{staleness}"] = float(n)
+            return out
+
+
+class ReplayQueue:
+    """The replay queue service: a bound PULL socket, a receiver thread and a ReplayBuffer."""
+
+    def __init__(self, cfg: DapoConfig, coordinator: Coordinator, *,
+                 dynamic_filter: DynamicSamplingFilter | None = None) -> None:
+        t, a = cfg.transport, cfg.algorithm
+        self.auth_token = t.auth_token
+        self.max_message_bytes = t.max_message_bytes
+        self.host, self.port = t.host, t.zmq_port
+        self.curve_keys = (t.curve_server_secret_key, t.curve_server_public_key)
+        self.rpc_timeout_s = t.rpc_timeout_s
+        self.buffer = ReplayBuffer(
+            coordinator, num_groups_per_batch=a.num_prompts_per_step, max_staleness_steps=a.max_staleness_steps,
+            max_groups=t.queue_max_groups,
+            dynamic_filter=dynamic_filter or DynamicSamplingFilter.from_config(a))
+        self._ctx = zmq.Context.instance()
+        self._sock: zmq.Socket | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.endpoint = ""
+
+    def start(self) -> str:
+        """Bind and start receiving; returns the bound endpoint ``tcp://host:port``."""
+        sock = self._ctx.socket(zmq.PULL)
+        # RCVHWM counts messages: with lease credit it is never reached by well-behaved actors.
+        sock.setsockopt(zmq.RCVHWM, self.buffer.max_groups)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVTIMEO, int(self.rpc_timeout_s * 1000))
+        secret, public = self.curve_keys
+        if secret:
+            sock.curve_secretkey = secret.encode()
+            sock.curve_publickey = public.encode()
+            sock.curve_server = True
+        if self.port == 0:
+            port = sock.bind_to_random_port(f"tcp://{self.host}")
+        else:
+            sock.bind(f"tcp://{self.host}:{self.port}")
+            port = self.port
+        self.endpoint = f"tcp://{self.host}:{port}"
+        self._sock = sock
+        self._thread = threading.Thread(target=self._receive_loop, name="replay-receiver", daemon=True)
+        self._thread.start()
+        return self.endpoint
+
+    def get_batch(self, timeout_s: float) -> list[TrajectoryGroup]:
+        return self.buffer.take_batch(timeout_s)
+
+    def counters(self) -> dict[str, float]:
+        return self.buffer.snapshot()
+
+    @property
+    def depth(self) -> int:
+        return self.buffer.depth
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self.buffer.close()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise RuntimeError(f"replay receiver thread did not stop within {timeout_s} s")
+        self._thread = None
+
+    def __enter__(self) -> "ReplayQueue":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ receiver thread
+
+    def _receive_loop(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                # Stop reading while the buffer is full: ZMQ's HWM then pushes back on senders.
+                if not self.buffer.wait_for_space(RECEIVER_POLL_S):
+                    continue
+                if not poller.poll(int(RECEIVER_POLL_S * 1000)):
+                    continue
+                self._ingest(self._recv_message(sock))
+        finally:
+            sock.close(linger=0)
+
+    def _recv_message(self, sock: zmq.Socket) -> list[bytes]:
+        """All parts of one message; parts beyond NUM_FRAMES + 1 are discarded on arrival so a
+        sender cannot make us hold a list of millions of frames."""
+        frames: list[bytes] = []
+        while True:
+            part = sock.recv(copy=True)
+            if len(frames) <= NUM_FRAMES:
+                frames.append(part)
+            if not sock.getsockopt(zmq.RCVMORE):
+                return frames
+
+    def _ingest(self, frames: Sequence[bytes]) -> None:
+        buf = self.buffer
+        buf.count("received_messages")
+        buf.count("received_bytes", sum(len(f) for f in frames))
+        try:
+            group = decode_group(frames, auth_token=self.auth_token, max_message_bytes=self.max_message_bytes)
+        except WireError as exc:
+            buf.count(f"dropped/{exc.reason}")
+            return
+        try:
+            buf.admit(group)
+        except Exception:  # a bug must not stop ingestion: count, log, go on
+            log.exception("replay queue: internal error while admitting a group")
+            buf.count("dropped/internal_error")
+
