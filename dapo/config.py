@@ -212,9 +212,16 @@ class LearnerConfig:
     """Serve Prometheus metrics from rank 0 on this port (0 = off)."""
     wandb: bool = False
     """Log to Weights & Biases when installed (set WANDB_MODE=offline for offline runs)."""
+    weight_sync_timeout_s: float = 60.0
+    """Deadline of one weight publication on rank 0: each side-channel socket operation and each
+    collective broadcast (a dead or stalled actor fails the sync after this), in seconds."""
+    weight_bucket_bytes: int = 64 << 20
+    """Bucket size of the collective weight broadcast (one gloo/NCCL broadcast per bucket), in bytes."""
 
     def __post_init__(self) -> None:
         _check(self.num_ranks >= 1, "learner.num_ranks", self.num_ranks, ">= 1")
+        _check(self.weight_sync_timeout_s > 0, "learner.weight_sync_timeout_s", self.weight_sync_timeout_s, "> 0")
+        _check(self.weight_bucket_bytes >= 4096, "learner.weight_bucket_bytes", self.weight_bucket_bytes, ">= 4096")
         _check(self.device in ("auto", "cpu", "cuda"), "learner.device", self.device, "auto, cpu or cuda")
         _check(self.max_tokens_per_microbatch > 0, "learner.max_tokens_per_microbatch",
                self.max_tokens_per_microbatch, "> 0")
