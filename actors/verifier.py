@@ -144,15 +144,22 @@ def _worker_main(score_fn: str) -> None:
     # The protocol owns the real stdout; anything the verifier prints goes to stderr instead.
     out = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)
-    fn = getattr(importlib.import_module(module), name)
+    mod = importlib.import_module(module)
+    fn = getattr(mod, name)
+    # dapo.rewards.score catches its verifiers' exceptions itself (scores -1, counts them in
+    # this process); read its counter so that those errors are counted by the actor too.
+    error_count = getattr(mod, "verifier_error_count", lambda: 0)
     out.write(msgpack.packb([True, 0, False, "ready"]))
     unpacker = msgpack.Unpacker(raw=False)
     while data := os.read(sys.stdin.fileno(), 1 << 16):
         unpacker.feed(data)
         for data_source, response, ground_truth in unpacker:
             try:
+                errors_before = error_count()
                 reward, acc, pred = fn(data_source, response, ground_truth)
                 reply = [True, float(reward), bool(acc), "" if pred is None else str(pred)]
+                if error_count() > errors_before:
+                    reply = [False, FAILED_REWARD, False, f"{score_fn} caught a verifier exception"]
             except Exception as exc:  # count-and-score at the service boundary
                 reply = [False, FAILED_REWARD, False, f"{type(exc).__name__}: {exc}"[:500]]
             out.write(msgpack.packb(reply))

@@ -7,8 +7,12 @@ load other weights restore the original ones before they return.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +41,8 @@ def model_path(tmp_path_factory) -> str:
         path = tmp_path_factory.mktemp("tiny")
         _random_qwen2(path, seed=0)
         return str(path)
-    return str(ensure_tiny_model(tmp_path_factory.mktemp("cache")))
+    # The repo's shared cache (as `run.cache_dir`): the warm start is built once for all tests.
+    return str(ensure_tiny_model(ROOT / ".cache" / "dapo", progress=False))
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,106 @@
+"""Per-actor metrics: throughput, idle time, weight loads, verifier errors.
+
+Namespace ``actor/``: counters (monotonic since start), ``time/<stage>`` (seconds spent in each
+loop stage, summed) and rates over the wall time since start. ``idle/lease_wait_s`` and
+``idle/weight_wait_s`` are the async-health numbers: time the engine sat unused because the
+coordinator gave no prompts (staleness bound, queue credit) or because weights were fetched.
+
+Optional Prometheus endpoint (``actor.prometheus_port > 0``): the same numbers as
+``dapo_actor_*`` gauges, read at scrape time from ``snapshot()`` (no second bookkeeping).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Iterator
+
+log = logging.getLogger(__name__)
+
+COUNTERS = ("groups_pushed", "samples_generated", "tokens_generated", "verifier_errors",
+            "verifier_timeouts", "weight_loads", "push_failures", "leases_granted", "leases_returned",
+            "registrations", "learner_lost")
+"""Counter names (all start at 0)."""
+
+
+class ActorMetrics:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._start = time.monotonic()
+        self.counters: dict[str, int] = {k: 0 for k in COUNTERS}
+        self.stage_s: dict[str, float] = defaultdict(float)
+        """Seconds spent per stage (``lease``, ``generate``, ``score``, ``push``, ``fetch_weights``,
+        ``load_weights``, ``lease_wait``, ``weight_wait``)."""
+        self.last_stage_s: dict[str, float] = {}
+        self.weight_version = 0
+
+    def add(self, name: str, value: int = 1) -> None:
+        assert name in self.counters, name
+        with self._lock:
+            self.counters[name] += value
+
+    def add_time(self, stage: str, seconds: float) -> None:
+        with self._lock:
+            self.stage_s[stage] += seconds
+            self.last_stage_s[stage] = seconds
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        """Time a loop stage as ``time/<name>``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add_time(name, time.perf_counter() - start)
+
+    def snapshot(self) -> dict[str, float]:
+        """All metrics, flat, units in the keys."""
+        with self._lock:
+            wall_s = time.monotonic() - self._start
+            out: dict[str, float] = {f"actor/{k}": float(v) for k, v in self.counters.items()}
+            out.update({f"time/{k}_s": v for k, v in self.stage_s.items()})
+            out["actor/wall_s"] = wall_s
+            out["actor/weight_version"] = float(self.weight_version)
+            out["actor/tokens_per_s"] = self.counters["tokens_generated"] / max(wall_s, 1e-9)
+            out["actor/groups_per_s"] = self.counters["groups_pushed"] / max(wall_s, 1e-9)
+            gen_s = self.stage_s.get("generate", 0.0)
+            out["actor/generate_tokens_per_s"] = self.counters["tokens_generated"] / gen_s if gen_s else 0.0
+            out["idle/lease_wait_s"] = self.stage_s.get("lease_wait", 0.0)
+            out["idle/weight_wait_s"] = self.stage_s.get("fetch_weights", 0.0) + self.stage_s.get("load_weights", 0.0)
+            out["actor/weight_load_s_last"] = self.last_stage_s.get("load_weights", 0.0)
+            return out
+
+    def log_line(self) -> str:
+        s = self.snapshot()
+        return (f"v{int(s['actor/weight_version'])} groups={int(s['actor/groups_pushed'])} "
+                f"tok/s={s['actor/tokens_per_s']:.0f} (generating {s['actor/generate_tokens_per_s']:.0f}) "
+                f"groups/s={s['actor/groups_per_s']:.2f} idle lease={s['idle/lease_wait_s']:.1f}s "
+                f"weights={s['idle/weight_wait_s']:.1f}s verifier_errors={int(s['actor/verifier_errors'])} "
+                f"push_failures={int(s['actor/push_failures'])}")
+
+
+def prometheus_name(key: str) -> str:
+    """``actor/tokens_per_s`` -> ``dapo_actor_tokens_per_s``; ``time/generate_s`` -> ``dapo_actor_time_generate_s``."""
+    body = key[len("actor/"):] if key.startswith("actor/") else key
+    return "dapo_actor_" + re.sub(r"[^a-zA-Z0-9_]", "_", body)
+
+
+def serve_prometheus(metrics: ActorMetrics, port: int, host: str = "127.0.0.1") -> object:
+    """Serve ``metrics`` at http://host:port/metrics; returns the server (call ``.shutdown()``)."""
+    from prometheus_client import start_http_server
+    from prometheus_client.core import CollectorRegistry, GaugeMetricFamily
+
+    class _Collector:
+        def collect(self):  # called per scrape
+            for key, value in sorted(metrics.snapshot().items()):
+                yield GaugeMetricFamily(prometheus_name(key), key, value=value)
+
+    registry = CollectorRegistry()
+    registry.register(_Collector())
+    server, _thread = start_http_server(port, addr=host, registry=registry)
+    log.info("actor metrics served at http://%s:%d/metrics", host, port)
+    return server
