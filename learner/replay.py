@@ -31,7 +31,7 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import zmq
 
@@ -68,6 +68,12 @@ class ReplayBuffer:
     def count(self, name: str, n: int = 1) -> None:
         with self._cond:
             self.counts[name] = self.counts.get(name, 0) + n
+            self._cond.notify_all()
+
+    def wait_until(self, predicate: Callable[[dict[str, int]], bool], timeout_s: float) -> bool:
+        """Block until ``predicate(counts)`` holds (True) or ``timeout_s`` passes (False)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: predicate(self.counts), timeout_s)
 
     @property
     def depth(self) -> int:

@@ -1,0 +1,264 @@
+"""Coordinator (gRPC) + replay queue (ZMQ) on loopback, driven by simulated actor processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+import zmq
+
+from dapo.wire import TrajectoryGroup, encode_group
+from protos import AUTH_METADATA_KEY
+from protos import coordinator_pb2 as pb
+from protos import coordinator_pb2_grpc as pb_grpc
+from protos.client import CoordinatorClient, CoordinatorError
+from tests.integration.wire_harness import TOKEN, Learner, kill_all, make_cfg, read_line, spawn_sim
+
+pytestmark = pytest.mark.slow
+
+
+def train_until(learner: Learner, num_groups: int, timeout_s: float) -> list[int]:
+    """The learner's loop: take N groups, "train", publish version + 1; returns trained prompt ids."""
+    trained: list[int] = []
+    deadline = time.monotonic() + timeout_s
+    while len(trained) < num_groups:
+        batch = learner.queue.get_batch(timeout_s=max(0.1, deadline - time.monotonic()))
+        k, version = learner.coordinator.max_staleness_steps, learner.coordinator.version
+        assert all(version - g.min_version <= k for g in batch)
+        trained += [g.prompt_id for g in batch]
+        learner.coordinator.set_version(version + 1)
+    return trained
+
+
+@pytest.mark.timeout(120)
+def test_exactly_once_when_actors_are_killed_or_frozen() -> None:
+    """kill -9 one actor mid-lease and freeze (SIGSTOP) another past its heartbeat timeout: their
+    prompts are re-leased; every prompt is trained exactly once or filtered; none is lost; the
+    frozen actor's late groups are dropped."""
+    num_prompts, filter_mod = 48, 6  # 8 prompts all-correct -> filtered; 40 trained = 10 steps of 4
+    cfg = make_cfg(transport=dict(heartbeat_timeout_s=1.0), max_staleness_steps=1)
+    learner = Learner(cfg, num_prompts, max_epochs=1)
+    procs = []
+    try:
+        killed = spawn_sim(learner.target, "killed", "--gen-delay-s", "60", capture=True)
+        frozen = spawn_sim(learner.target, "frozen", "--gen-delay-s", "1.5", "--filter-mod", str(filter_mod), capture=True)
+        procs += [killed, frozen]
+        killed_ids = read_line(killed, "LEASED").split()[1].split(",")
+        frozen_ids = read_line(frozen, "LEASED").split()[1].split(",")
+        os.kill(killed.pid, signal.SIGKILL)
+        os.kill(frozen.pid, signal.SIGSTOP)
+        procs += [spawn_sim(learner.target, f"worker{i}", "--filter-mod", str(filter_mod), "--seed", str(i))
+                  for i in range(2)]
+        # The workers' lease calls run the coordinator's expiry once the victims are silent > 1 s.
+        deadline = time.monotonic() + 30
+        while learner.coordinator.counters().get("leases_expired_heartbeat", 0) < len(killed_ids) + len(frozen_ids):
+            assert time.monotonic() < deadline, learner.coordinator.counters()
+            time.sleep(0.05)
+        os.kill(frozen.pid, signal.SIGCONT)  # it wakes up and pushes groups for re-issued leases
+        trained = train_until(learner, 40, timeout_s=60)
+        learner.coordinator.request_shutdown()
+        for proc in procs[1:]:
+            assert proc.wait(timeout=30) == 0, proc.stderr.read()
+        assert learner.queue.buffer.wait_until(lambda c: c.get("dropped/lease_not_active", 0) >= 1, timeout_s=10)
+        assert len(trained) == len(set(trained)), "a prompt was trained twice"
+        expected = {p for p in range(num_prompts) if p % filter_mod != 0}
+        assert set(trained) == expected
+        assert {int(p) for p in killed_ids + frozen_ids} <= expected | set(range(0, num_prompts, filter_mod))
+        counters = learner.queue.counters()
+        assert counters["filtered"] == num_prompts // filter_mod
+        status = CoordinatorClient(learner.target, TOKEN, timeout_s=5).status()
+        assert status.version == 10 and status.active_leases == 0 and status.pending_reissue == 0
+    finally:
+        kill_all(procs)
+        learner.close()
+
+
+@pytest.mark.timeout(60)
+def test_stalled_consumer_keeps_queue_bounded_then_drains() -> None:
+    """No get_batch for a while: lease credit stops actors at queue_max_groups; then training resumes."""
+    cfg = make_cfg(transport=dict(queue_max_groups=6), num_prompts_per_step=2, max_staleness_steps=50)
+    learner = Learner(cfg, 1000)
+    procs = []
+    try:
+        procs = [spawn_sim(learner.target, f"w{i}", "--seed", str(i)) for i in range(2)]
+        coord = learner.coordinator
+        deadline = time.monotonic() + 30
+        while coord.counters().get("lease_denied/queue_full", 0) < 20:
+            assert time.monotonic() < deadline, coord.counters()
+            time.sleep(0.05)
+        counters = learner.queue.counters()
+        assert counters["max_depth_groups"] <= 6 and counters["depth_groups"] <= 6
+        assert coord.status()["active_leases"] + coord.status()["queued_groups"] <= 6
+        trained = train_until(learner, 20, timeout_s=30)
+        assert len(set(trained)) == 20
+        assert learner.queue.counters()["max_depth_groups"] <= 6
+    finally:
+        kill_all(procs)
+        learner.close()
+
+
+def make_group(run_id: str, actor_id: int, lease: pb.PromptLease, version: int, g: int = 4,
+               length: int = 3) -> TrajectoryGroup:
+    acc = (np.arange(g) % 2).astype(np.float32)
+    return TrajectoryGroup(run_id=run_id, actor_id=actor_id, lease_id=lease.lease_id, prompt_id=lease.prompt_id,
+                           prompt_ids=np.asarray(lease.prompt_token_ids, np.int32), response_ids=np.ones(length * g, np.int32),
+                           logprobs=np.full(length * g, -0.5, np.float32), loss_mask=np.ones(length * g, np.uint8),
+                           response_lengths=np.full(g, length, np.int32), versions=np.full(g, version, np.int64),
+                           version_changes=np.zeros((0, 3), np.int64), rewards=acc, acc=acc, scores=acc,
+                           finish_reasons=("length",) * g)
+
+
+@pytest.mark.timeout(60)
+def test_full_buffer_pushes_back_through_zmq_high_water_marks() -> None:
+    """Second line of defence: with the buffer full, the receiver stops reading, ZMQ queues fill
+    and the sender's send times out; the buffer never exceeds its cap, and drains afterwards."""
+    cfg = make_cfg(transport=dict(queue_max_groups=4), num_prompts_per_step=4, max_staleness_steps=100)
+    learner = Learner(cfg, 1000)
+    # Bypass lease credit: this coordinator grants far more than the buffer holds.
+    learner.coordinator.queue_max_groups = 10_000
+    client = CoordinatorClient(learner.target, TOKEN, timeout_s=5)
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 2)
+    push.setsockopt(zmq.SNDTIMEO, 200)
+    push.setsockopt(zmq.SNDBUF, 4096)
+    try:
+        reg = client.register("pusher")
+        push.connect(reg.zmq_endpoint)
+        leases = list(client.lease(reg.actor_id, 400, 0).leases)
+        sent = timeouts = 0
+        for lease in leases:
+            frames = encode_group(make_group(reg.run_id, reg.actor_id, lease, 0, length=2000), TOKEN)
+            try:
+                push.send_multipart(frames)
+                sent += 1
+            except zmq.Again:
+                timeouts += 1
+                break
+        assert timeouts == 1, f"sent {sent} groups without back-pressure"
+        assert learner.queue.counters()["max_depth_groups"] <= 4
+        batch = learner.queue.get_batch(timeout_s=10)
+        assert len(batch) == 4 and learner.queue.counters()["max_depth_groups"] <= 4
+    finally:
+        push.close(linger=0)
+        ctx.term()
+        client.close()
+        learner.close()
+
+
+@pytest.mark.timeout(60)
+def test_auth_and_malformed_requests_are_rejected_and_counted() -> None:
+    learner = Learner(make_cfg(), 100)
+    channel = grpc.insecure_channel(learner.target)
+    stub = pb_grpc.CoordinatorStub(channel)
+    try:
+        for metadata in ((), ((AUTH_METADATA_KEY, "wrong"),), (("x-other", TOKEN),)):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.Register(pb.RegisterRequest(actor_name="x"), timeout=5, metadata=metadata)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.FetchWeights(pb.FetchWeightsRequest(), timeout=5))
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        raw = channel.unary_unary("/dapo.v1.Coordinator/Lease")
+        with pytest.raises(grpc.RpcError) as info:
+            raw(b"\xff\xff\xff", timeout=5, metadata=((AUTH_METADATA_KEY, TOKEN),))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        client = CoordinatorClient(learner.target, TOKEN, timeout_s=5)
+        with pytest.raises(CoordinatorError) as err:
+            client.lease(12345, 1, 0)
+        assert err.value.code == grpc.StatusCode.NOT_FOUND and "Register again" in str(err.value)
+        actor = client.register("ok").actor_id
+        for bad in (0, -1, 5000):
+            with pytest.raises(CoordinatorError) as err:
+                client.lease(actor, bad, 0)
+            assert err.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        counters = client.status().counters
+        assert counters["rpc/unauthenticated"] == 4 and counters["rpc/invalid_argument"] == 4
+        assert counters["rpc/not_found"] == 1 and counters["coordinator/unknown_actor_calls"] == 1
+        # ZMQ: a group with the wrong token is dropped and counted under `auth`
+        ctx = zmq.Context()
+        push = ctx.socket(zmq.PUSH)
+        push.connect(learner.queue.endpoint)
+        lease = client.lease(actor, 1, 0).leases[0]
+        push.send_multipart(encode_group(make_group(learner.coordinator.run_id, actor, lease, 0), "wrong"), copy=False)
+        assert learner.queue.buffer.wait_until(lambda c: c.get("dropped/auth", 0) == 1, timeout_s=10)
+        push.close(linger=0)
+        ctx.term()
+        client.close()
+    finally:
+        channel.close()
+        learner.close()
+
+
+class FakeWeights:
+    def __init__(self, total: int, chunk: int) -> None:
+        self.data = np.random.default_rng(0).integers(0, 256, total, dtype=np.uint8).tobytes()
+        self.chunk = chunk
+
+    def info(self) -> pb.WeightInfo:
+        n = -(-len(self.data) // self.chunk)
+        return pb.WeightInfo(version=3, total_bytes=len(self.data), chunk_bytes=self.chunk,
+                             chunk_checksums=[str(i) for i in range(n)], side_channel_endpoint="127.0.0.1:1")
+
+    def read(self, version: int, offset: int, length: int) -> bytes:
+        if version != 3:
+            raise LookupError(f"only version 3 is held, not {version}")
+        return self.data[offset:offset + length]
+
+
+@pytest.mark.timeout(60)
+def test_weight_rpcs_use_the_injected_source() -> None:
+    learner = Learner(make_cfg(), 10)
+    client = CoordinatorClient(learner.target, TOKEN, timeout_s=5)
+    try:
+        with pytest.raises(CoordinatorError) as err:
+            client.call("GetWeightInfo", pb.WeightInfoRequest())
+        assert err.value.code == grpc.StatusCode.UNAVAILABLE
+        source = FakeWeights(10_000, 4096)
+        learner.server.set_weight_source(source)
+        assert client.call("GetWeightInfo", pb.WeightInfoRequest()).version == 3
+        chunks = list(client.fetch_weights(pb.FetchWeightsRequest(version=3), timeout_s=10))
+        assert [c.chunk_index for c in chunks] == [0, 1, 2] and b"".join(c.data for c in chunks) == source.data
+        part = list(client.fetch_weights(pb.FetchWeightsRequest(version=3, offset_bytes=4096, length_bytes=4096), 10))
+        assert len(part) == 1 and part[0].data == source.data[4096:8192]
+        for request, code in ((pb.FetchWeightsRequest(version=2), grpc.StatusCode.NOT_FOUND),
+                              (pb.FetchWeightsRequest(version=3, offset_bytes=100), grpc.StatusCode.INVALID_ARGUMENT),
+                              (pb.FetchWeightsRequest(version=3, length_bytes=20_000), grpc.StatusCode.INVALID_ARGUMENT)):
+            with pytest.raises(CoordinatorError) as err:
+                list(client.fetch_weights(request, 10))
+            assert err.value.code == code
+    finally:
+        client.close()
+        learner.close()
+
+
+@pytest.mark.timeout(60)
+def test_dead_peers_give_clear_errors_within_the_deadline() -> None:
+    learner = Learner(make_cfg(), 10)
+    target, endpoint = learner.target, learner.queue.endpoint
+    learner.close()  # both services gone
+    client = CoordinatorClient(target, TOKEN, timeout_s=0.5)
+    with pytest.raises(CoordinatorError) as err:
+        client.status()
+    assert err.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert "is the learner running" in str(err.value)
+    with pytest.raises(CoordinatorError, match="DEADLINE_EXCEEDED"):
+        client.wait_ready(0.5)
+    client.close()
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDTIMEO, 500)
+    push.setsockopt(zmq.SNDHWM, 1)
+    push.connect(endpoint)
+    with pytest.raises(zmq.Again):
+        for _ in range(10):  # nothing connected: the first send already blocks until SNDTIMEO
+            push.send_multipart([b"x"])
+    push.close(linger=0)
+    ctx.term()
+    with pytest.raises(TimeoutError, match="0/4 groups"):
+        learner.queue.get_batch(timeout_s=0.2)
