@@ -156,7 +156,8 @@ class NetworkWeightClient:
     the next fetch.
     """
 
-    def __init__(self, grpc_target: str, auth_token: str, *, timeout_s: float, max_refetch: int = 3) -> None:
+    def __init__(self, grpc_target: str, auth_token: str, *, timeout_s: float, max_refetch: int = 3,
+                 after_receive: Callable[[torch.Tensor], None] | None = None) -> None:
         import grpc
 
         from protos import coordinator_pb2_grpc as pbg
@@ -169,6 +170,7 @@ class NetworkWeightClient:
         self._stub = pbg.CoordinatorStub(self._channel)
         self._side: SideChannelClient | None = None
         self._buffers = _Buffers()
+        self._after_receive = after_receive  # fault injection in tests (corrupt bytes in transit)
 
     def info(self, actor_id: int = 0) -> pb.WeightInfo:
         return self._stub.GetWeightInfo(pb.WeightInfoRequest(actor_id=actor_id), timeout=self._timeout_s,
@@ -189,6 +191,8 @@ class NetworkWeightClient:
             read = lambda dst, off: self._grpc_read(dst, manifest.version, off)  # noqa: E731
             stats.path = "network/grpc"
         read(memoryview(buf.numpy()), 0)
+        if self._after_receive is not None:
+            self._after_receive(buf)
         t1 = time.perf_counter()
         stats.refetched_chunks = repair(buf, manifest, read, self._max_refetch)
         stats.transfer_s, stats.verify_s = t1 - t0, time.perf_counter() - t1
@@ -289,3 +293,13 @@ class CollectiveWeightReceiver:
 
     def close(self) -> None:
         self._pg = None
+
+
+def fetch_weights(grpc_target: str, auth_token: str, *, timeout_s: float) -> tuple[int, dict[str, torch.Tensor]]:
+    """One-shot network fetch of the latest weights: (version, state dict), checksums verified."""
+    client = NetworkWeightClient(grpc_target, auth_token, timeout_s=timeout_s)
+    try:
+        version, state_dict, _ = client.fetch()
+        return version, {k: v.clone() for k, v in state_dict.items()}
+    finally:
+        client.close()

@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 import zmq  # noqa: E402
 
@@ -103,8 +104,8 @@ def main() -> None:
                     version, _, stats = net.fetch(actor_id)
                     state["version"] = version
                     log("network", version, stats)
-                except CoordinatorError:
-                    pass  # nothing published yet
+                except grpc.RpcError:
+                    pass  # nothing published yet (UNAVAILABLE)
             if state["version"] < 0:
                 time.sleep(0.05)
                 continue

@@ -1,0 +1,171 @@
+"""The learner's service loop: one training step per batch of N groups, then publish version v+1.
+
+```
+ rank 0                                   every rank (same collectives, same order)
+ ───────────────────────────────────────  ──────────────────────────────────────────────────
+ replay.get_batch ─ control broadcast ──> wait_batch   (WAIT slices keep peers inside their timeout)
+ from_groups: advantages, packing plan ─> scatter      rank 0 -> each rank its packed share
+                                          train        π_prox, M mini-batches × micro-batches, AdamW
+                                          gather       full state dict -> rank 0
+ publisher: side channel + collective  <─ publish      version v+1; coordinator.set_version
+                                          checkpoint   every K steps (DCP + coordinator state)
+ metrics.jsonl, trained_prompts.jsonl  <─ log
+```
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from dapo.config import DapoConfig
+from learner import checkpoint
+from learner.batch import batch_metrics, from_groups, scatter_batch
+from learner.trainer import Trainer
+
+WAIT, BATCH, STOP, ERROR = 0, 1, 2, 3
+
+
+@dataclass
+class Rank0Services:
+    """What the loop needs on rank 0 (``learner.main.start_services`` builds them)."""
+
+    coordinator: Any
+    """learner.coordinator.Coordinator: set_version, state_dict, counters, status."""
+    replay: Any
+    """learner.replay.ReplayQueue: get_batch(timeout_s) -> N groups (raises TimeoutError), counters()."""
+    publisher: Any
+    """learner.publisher.WeightPublisher."""
+    metrics: Any
+    """learner.metrics.MetricsLogger."""
+    audit_path: Path
+    """trained_prompts.jsonl: one line per step {step, prompt_ids} (the exactly-once audit)."""
+    server: Any = None
+    """learner.service.CoordinatorServer (stopped at teardown)."""
+
+
+class StopFlag:
+    """SIGTERM/SIGINT set it; rank 0 turns it into a STOP broadcast at the next batch boundary."""
+
+    def __init__(self) -> None:
+        self.reason = ""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._set)
+
+    def _set(self, signum: int, _frame: object) -> None:
+        self.reason = signal.Signals(signum).name
+
+
+@contextmanager
+def timed(times: dict[str, float], stage: str) -> Iterator[None]:
+    t0 = time.perf_counter()
+    yield
+    times[f"time/{stage}_s"] = time.perf_counter() - t0
+
+
+def run(cfg: DapoConfig, trainer: Trainer, services: Rank0Services | None, *, start_step: int,
+        model_path: str, stop: StopFlag) -> int:
+    """Train until ``learner.total_steps`` (or STOP); returns the last completed step."""
+    step, last_ckpt = start_step, start_step
+    while not cfg.learner.total_steps or step < cfg.learner.total_steps:
+        t, t_step = {}, time.perf_counter()
+        with timed(t, "wait_batch"):
+            groups = next_batch(cfg, services, stop)
+        if groups is None:
+            break
+        with timed(t, "scatter"):
+            batch = from_groups(groups, cfg.algorithm) if services else None
+            shard = scatter_batch(batch, num_minibatches=cfg.algorithm.num_minibatches_per_step,
+                                  max_tokens_per_microbatch=cfg.learner.max_tokens_per_microbatch,
+                                  device=trainer.device)
+        with timed(t, "train"):
+            train = trainer.train_step(shard)
+        with timed(t, "gather"):
+            state_dict = trainer.full_state_dict()
+        step += 1
+        with timed(t, "publish"):
+            pub = publish(services, state_dict, step)
+        if cfg.learner.checkpoint_every_steps and step % cfg.learner.checkpoint_every_steps == 0:
+            with timed(t, "checkpoint"):
+                save_checkpoint(cfg, trainer, services, step, model_path)
+            last_ckpt = step
+        if services:
+            log_step(services, step, groups, batch, {**t, **train, **pub}, time.perf_counter() - t_step)
+    if step != last_ckpt:
+        save_checkpoint(cfg, trainer, services, step, model_path)
+    return step
+
+
+def next_batch(cfg: DapoConfig, services: Rank0Services | None, stop: StopFlag) -> list | None:
+    """Rank 0 waits for N groups in slices, broadcasting WAIT between slices so the other ranks'
+    collective timeout never fires while actors are slow; BATCH, STOP or ERROR ends the wait."""
+    slice_s = cfg.learner.collective_timeout_s / 4
+    deadline = time.monotonic() + cfg.learner.batch_wait_timeout_s
+    error: BaseException | None = None
+    while True:
+        ctrl, groups = torch.tensor([WAIT], dtype=torch.int64), None
+        if services is not None:
+            if stop.reason:
+                ctrl[0] = STOP
+            else:
+                try:
+                    groups = services.replay.get_batch(min(slice_s, max(deadline - time.monotonic(), 0.01)))
+                    ctrl[0] = BATCH
+                except TimeoutError as exc:
+                    if time.monotonic() >= deadline:
+                        error, ctrl[0] = exc, ERROR
+                except Exception as exc:  # noqa: BLE001 - e.g. DynamicSamplingStalled: stop all ranks cleanly
+                    error, ctrl[0] = exc, ERROR
+        dist.broadcast(ctrl, 0)
+        if ctrl[0] == BATCH:
+            return groups if services is not None else []
+        if ctrl[0] == STOP:
+            return None
+        if ctrl[0] == ERROR:
+            if error is not None:
+                raise error
+            raise RuntimeError("learner rank 0 failed while waiting for a batch; see rank 0's log")
+
+
+def publish(services: Rank0Services | None, state_dict: dict[str, torch.Tensor], version: int) -> dict[str, float]:
+    if services is None:
+        return {}
+    out = services.publisher.publish(state_dict, version)
+    services.coordinator.set_version(version)
+    err = services.publisher.last_collective_error
+    if err is not None:
+        print(f"learner: {err}", flush=True)
+    return out
+
+
+def save_checkpoint(cfg: DapoConfig, trainer: Trainer, services: Rank0Services | None, step: int,
+                    model_path: str) -> None:
+    run_state = {"step": step, "version": step,
+                 "coordinator": services.coordinator.state_dict()} if services else None
+    checkpoint.save(cfg.run.run_dir, step, trainer.model, trainer.optimizer, trainer.scheduler, run_state,
+                    model_path)
+
+
+def log_step(services: Rank0Services, step: int, groups: list, batch: Any, values: dict[str, float],
+             step_s: float) -> None:
+    with open(services.audit_path, "a") as f:
+        f.write(json.dumps({"step": step, "prompt_ids": [int(g.prompt_id) for g in groups]}) + "\n")
+    record = {"version": float(step), **values, **batch_metrics(groups, step - 1)}
+    record["time/step_s"] = step_s
+    record["learner/idle_fraction"] = values["time/wait_batch_s"] / max(step_s, 1e-9)
+    record["throughput/tokens_per_s"] = float(batch.tokens.numel()) / max(step_s, 1e-9)
+    status = services.coordinator.status()
+    record["actors/alive"] = float(len(status["actors"]))
+    for k, v in services.replay.counters().items():
+        record[f"queue/{k}"] = float(v)
+    for k, v in services.coordinator.counters().items():
+        record[f"coordinator/{k}"] = float(v)
+    services.metrics.log(step, record)

@@ -1,0 +1,111 @@
+"""One learner rank (started by ``python -m learner`` under torchrun): config, then the train loop."""
+
+from __future__ import annotations
+
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+from dapo.runtime import apply_service_env
+
+apply_service_env()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from dapo.config import DapoConfig, load_config, to_dict  # noqa: E402
+from learner import checkpoint, loop  # noqa: E402
+from learner.trainer import Trainer, TrainerSettings  # noqa: E402
+
+
+def start_services(cfg: DapoConfig, model_path: Path, coordinator_state: dict | None) -> loop.Rank0Services:
+    """Rank 0: coordinator (+ its checkpointed state), replay queue, gRPC service, weight publisher."""
+    from dapo.data import PromptDataset
+    from learner.coordinator import Coordinator
+    from learner.metrics import MetricsLogger
+    from learner.publisher import WeightPublisher
+    from learner.replay import ReplayQueue
+    from learner.service import serve_coordinator
+
+    t = cfg.transport
+    coordinator = Coordinator.from_config(cfg, PromptDataset.from_config(cfg, model_path))
+    if coordinator_state is not None:
+        coordinator.load_state_dict(coordinator_state)
+    replay = ReplayQueue(cfg, coordinator)
+    publisher = WeightPublisher(
+        host=t.host, side_channel_port=t.weight_port, auth_token=t.auth_token, chunk_bytes=t.weight_chunk_bytes,
+        timeout_s=cfg.learner.weight_sync_timeout_s, dtype=getattr(torch, cfg.model.dtype),
+        collective_port=t.collective_port if t.weight_path == "collective" else None,
+        bucket_bytes=cfg.learner.weight_bucket_bytes)
+    server = serve_coordinator(cfg, coordinator, zmq_endpoint=replay.start(), queue=replay, weight_source=publisher)
+    run_dir = Path(cfg.run.run_dir)
+    metrics = MetricsLogger(run_dir, wandb=cfg.learner.wandb, prometheus_port=cfg.learner.prometheus_port,
+                            prometheus_host=t.host, config=to_dict(cfg))
+    services = loop.Rank0Services(coordinator, replay, publisher, metrics, run_dir / "trained_prompts.jsonl", server)
+    print(f"learner: coordinator {server.address}, replay {replay.endpoint}, weights {publisher.server.endpoint}"
+          f" ({t.weight_path})", flush=True)
+    return services
+
+
+def main(argv: list[str]) -> int:
+    cfg = load_config(argv)
+    device = torch.device("cuda" if cfg.learner.device == "cuda" or (
+        cfg.learner.device == "auto" and torch.cuda.is_available()) else "cpu")
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            timeout=timedelta(seconds=cfg.learner.collective_timeout_s))
+    rank = dist.get_rank()
+    torch.manual_seed(cfg.learner.seed)  # identical on all ranks: FSDP2 does not sync initial values
+    from transformers import AutoModelForCausalLM
+
+    from dapo.tiny import resolve_model_path
+
+    if rank == 0:
+        resolve_model_path(cfg)  # builds the tiny model once (cached) before the other ranks look
+    dist.barrier()
+    model_path = resolve_model_path(cfg)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
+    settings = TrainerSettings.from_config(cfg.learner, cfg.algorithm, temperature=cfg.actor.temperature,
+                                           max_response_tokens=cfg.actor.max_response_tokens,
+                                           model_dtype=cfg.model.dtype)
+    trainer = Trainer(model, settings, device)
+    resume = checkpoint.resolve_resume(cfg.learner.resume, cfg.run.run_dir)
+    run_state = checkpoint.load(resume, trainer.model, trainer.optimizer, trainer.scheduler) if resume else {}
+    start_step = int(run_state.get("step", 0))
+    stop = loop.StopFlag()
+    services = start_services(cfg, model_path, run_state.get("coordinator")) if rank == 0 else None
+    state_dict = trainer.full_state_dict()  # version start_step, so actors can sync before step 1
+    if services is not None:
+        loop.publish(services, state_dict, start_step)
+        print(f"learner: {dist.get_world_size()} rank(s) on {device}, "
+              f"{'resumed from ' + str(resume) if resume else 'fresh start'} at step {start_step}", flush=True)
+    try:
+        step = loop.run(cfg, trainer, services, start_step=start_step, model_path=str(model_path), stop=stop)
+    finally:
+        if services is not None:
+            services.coordinator.request_shutdown()
+    if services is not None:
+        print(f"learner: stopped at step {step} ({stop.reason or 'total_steps reached'})", flush=True)
+        services.server.stop()
+        services.replay.close()
+        services.publisher.close()
+        services.metrics.close()
+    return 0
+
+
+def teardown_and_exit(rc: int) -> None:
+    """barrier -> destroy -> os._exit: plain interpreter exit aborts ~10 % of gloo+FSDP runs
+    ("terminate called without an active exception") after all work is done."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+
+
+if __name__ == "__main__":
+    teardown_and_exit(main(sys.argv[1:]))
