@@ -1,0 +1,135 @@
+"""The actor's two connections to the learner: the coordinator (gRPC) and the replay queue (ZMQ).
+
+Every gRPC call carries the auth token (metadata ``x-dapo-token``) and a deadline; failures
+map onto the three things the actor loop does about them:
+
+- ``LearnerUnavailable`` (UNAVAILABLE, DEADLINE_EXCEEDED): the learner is down or restarting;
+  wait with backoff and reconnect.
+- ``SessionLost`` (NOT_FOUND): this actor id is unknown to the coordinator (declared dead, or a
+  new learner incarnation); register again and refetch weights.
+- ``AuthError`` (UNAUTHENTICATED, PERMISSION_DENIED): fatal, the token is wrong; retrying
+  cannot help.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import grpc
+import torch
+import zmq
+
+from protos import AUTH_METADATA_KEY
+from protos import coordinator_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+class LearnerUnavailable(ConnectionError):
+    """The learner did not answer within the deadline (down, starting or restarting)."""
+
+
+class SessionLost(RuntimeError):
+    """The coordinator does not know this actor id any more: register again."""
+
+
+class AuthError(PermissionError):
+    """The learner rejected the auth token."""
+
+
+class CoordinatorClient:
+    """Typed, deadline-bound calls to the Coordinator service of ``address`` (``host:port``)."""
+
+    def __init__(self, address: str, auth_token: str, rpc_timeout_s: float, *,
+                 max_message_bytes: int, reconnect_backoff_max_s: float) -> None:
+        self.address = address
+        self.rpc_timeout_s = rpc_timeout_s
+        self._metadata = ((AUTH_METADATA_KEY, auth_token),)
+        # gRPC's own reconnect backoff grows to 120 s by default: an actor started long before
+        # its learner would then keep failing fast for minutes after the learner came up.
+        self._channel = grpc.insecure_channel(address, options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.min_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", int(reconnect_backoff_max_s * 1000)),
+        ])
+        self.stub = pb_grpc.CoordinatorStub(self._channel)
+
+    def call(self, method: str, request, timeout_s: float | None = None):
+        """``stub.<method>(request)`` with the token and a deadline; errors mapped (see module doc)."""
+        try:
+            return getattr(self.stub, method)(request, timeout=timeout_s or self.rpc_timeout_s,
+                                              metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise map_rpc_error(method, self.address, exc) from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def map_rpc_error(method: str, address: str, exc: grpc.RpcError) -> Exception:
+    """The loop's exception for a failed call (see the module docstring)."""
+    code, details = exc.code(), exc.details()
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+        return LearnerUnavailable(f"{method} to {address}: {code.name} ({details})")
+    if code == grpc.StatusCode.NOT_FOUND:
+        return SessionLost(f"{method} to {address}: {details}")
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return AuthError(f"{method} to {address} was rejected ({code.name}: {details}); the actor's "
+                         "transport.auth_token must equal the learner's")
+    return RuntimeError(f"{method} to {address} failed: {code.name}: {details}")
+
+
+class GroupPusher:
+    """ZMQ PUSH socket to the replay queue with a bounded send buffer and a send deadline."""
+
+    def __init__(self, endpoint: str, *, send_timeout_s: float, send_hwm_messages: int = 64,
+                 curve_server_public_key: str = "") -> None:
+        self.endpoint = endpoint
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.SNDHWM, send_hwm_messages)
+        self._sock.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))
+        # Unsent groups at close belong to leases the coordinator re-issues; never block exit.
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # queue only to a connected peer
+        if curve_server_public_key:
+            public, secret = zmq.curve_keypair()
+            self._sock.curve_serverkey = curve_server_public_key.encode()
+            self._sock.curve_publickey = public
+            self._sock.curve_secretkey = secret
+        self._sock.connect(endpoint)
+
+    def send(self, frames: list[bytes]) -> bool:
+        """Send one group; False when the queue did not take it within the deadline."""
+        try:
+            self._sock.send_multipart(frames, copy=False)
+        except zmq.Again:
+            return False
+        return True
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+
+
+def network_fetcher(address: str, auth_token: str, timeout_s: float
+                    ) -> tuple[Callable[[int], tuple[int, dict[str, torch.Tensor]]], Callable[[], None]]:
+    """(fetch(actor_id) -> (version, state_dict), close) over the network weight path, with
+    failures mapped like the coordinator calls (nothing published yet: LearnerUnavailable)."""
+    from actors.weight_client import NetworkWeightClient, WeightFetchError
+
+    weights = NetworkWeightClient(address, auth_token, timeout_s=timeout_s)
+
+    def fetch(actor_id: int) -> tuple[int, dict[str, torch.Tensor]]:
+        try:
+            version, state, _ = weights.fetch(actor_id)
+        except grpc.RpcError as exc:
+            raise map_rpc_error("GetWeightInfo", address, exc) from None
+        except (WeightFetchError, OSError) as exc:  # side channel down or a transfer that failed checks
+            raise LearnerUnavailable(f"weight fetch from {address}: {exc}") from None
+        return version, state
+
+    return fetch, weights.close

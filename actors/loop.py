@@ -1,0 +1,300 @@
+"""The actor loop: lease prompts, generate, score, shape, push; follow the learner's weights.
+
+```
+               learner rank 0                                      this actor
+  Coordinator (gRPC) ◄── Register / Leave ─────────────────────── connect() / leave()
+        │            ◄── Heartbeat (thread) ──► latest_version ──┐
+        │            ◄── Lease(weight_version) ── lease() ◄──────┤ update_weights() first when
+        │                                          │             │ the learner is ahead
+  weights (TCP / gRPC / collective) ─────────────────────────────┘ (and between chunks: inflight)
+                                                   ▼
+                                   generate()  engine: G samples per prompt, log-probs, versions
+                                                   ▼
+                                   score()     verifier worker process, deadline per response
+                                                   ▼
+                                   shape()     + overlong penalty -> TrajectoryGroup
+                                                   ▼
+  ReplayQueue (ZMQ PULL) ◄─────── push() ──── encode_group frames (PUSH, HWM, send deadline)
+```
+
+Elastic: ``run()`` registers with backoff (the learner may not be up yet), and on
+``LearnerUnavailable`` / ``SessionLost`` (learner restart) registers again and refetches
+weights; leases of a lost session are re-issued by the coordinator. ``stop`` (SIGTERM, or a
+heartbeat answer ``shutdown``) ends the loop after the current stage; unpushed leases go back
+with ``Leave``. A kill -9 needs nothing from the actor: its leases expire with its heartbeats.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from actors.client import AuthError, CoordinatorClient, GroupPusher, LearnerUnavailable, SessionLost
+from actors.engines import Engine, Sample
+from actors.metrics import ActorMetrics
+from actors.verifier import Verifier
+from dapo.algorithm import overlong_penalty
+from dapo.config import DapoConfig
+from dapo.wire import TrajectoryGroup, encode_group
+from protos import coordinator_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Session:
+    """One registration with one coordinator incarnation."""
+
+    actor_id: int
+    run_id: str
+    run: pb.RunParams
+    pusher: GroupPusher
+    lost: threading.Event
+    """Set by the heartbeat thread when the coordinator no longer knows this actor."""
+    closed: threading.Event
+
+
+class Actor:
+    def __init__(self, cfg: DapoConfig, client: CoordinatorClient, engine: Engine, verifier: Verifier,
+                 decode: Callable[[list[int]], str], fetch_weights: Callable[[int], tuple[int, dict]],
+                 metrics: ActorMetrics, stop: threading.Event) -> None:
+        self.cfg, self.client, self.engine, self.verifier = cfg, client, engine, verifier
+        self.decode, self.fetch_weights, self.metrics, self.stop = decode, fetch_weights, metrics, stop
+        self.session: Session | None = None
+        self.latest_version = 0
+        self.batch_index = 0
+        self.name = f"{socket.gethostname()}:{os.getpid()}"
+
+    def run(self) -> int:
+        """Serve until ``stop``; returns the exit code (0)."""
+        while not self.stop.is_set():
+            try:
+                if not self.connect():
+                    break
+                self.update_weights(reason="initial weights")
+                while not self.stop.is_set():
+                    leases = self.lease()
+                    if not leases:
+                        continue
+                    samples = self.generate(leases)
+                    if self.stop.is_set():  # SIGTERM: return the leases rather than finish them
+                        break
+                    groups = self.score_and_shape(leases, samples)
+                    self.push(leases, groups)
+                    self.log_progress()
+            except (LearnerUnavailable, SessionLost) as exc:
+                self.metrics.add("learner_lost")
+                log.warning("lost the learner (%s); registering again", exc)
+                self.close_session()
+        self.leave()
+        return 0
+
+    # -- stages ---------------------------------------------------------------------------------
+    def connect(self) -> bool:
+        """Register (retrying with backoff while the learner is not up); False when stopped."""
+        caps = pb.Capabilities(engine=self.cfg.actor.engine, supports_inflight=True,
+                               weight_paths=["network"])
+        delay_s, waited_s = 0.25, 0.0
+        while not self.stop.is_set():
+            try:
+                with self.metrics.stage("register"):
+                    resp = self.client.call("Register", pb.RegisterRequest(actor_name=self.name, capabilities=caps))
+                break
+            except LearnerUnavailable as exc:
+                log.info("waiting for the learner at %s for %.0fs (%s); next try in %.1fs",
+                         self.client.address, waited_s, exc, delay_s)
+                if self.stop.wait(delay_s):
+                    return False
+                waited_s += delay_s
+                delay_s = min(delay_s * 2, self.cfg.actor.connect_retry_max_s)
+        else:
+            return False
+        self._check_run_params(resp.run)
+        pusher = GroupPusher(resp.zmq_endpoint, send_timeout_s=resp.run.rpc_timeout_s,
+                             curve_server_public_key=self.cfg.transport.curve_server_public_key)
+        self.session = Session(resp.actor_id, resp.run_id, resp.run, pusher, threading.Event(), threading.Event())
+        self.latest_version = resp.current_version
+        self.metrics.add("registrations")
+        threading.Thread(target=self._heartbeat_loop, args=(self.session,), daemon=True,
+                         name="actor-heartbeat").start()
+        log.info("registered as actor %d of run %s (learner %s, queue %s, version %d)", resp.actor_id,
+                 resp.run_id, self.client.address, resp.zmq_endpoint, resp.current_version)
+        return True
+
+    def update_weights(self, reason: str = "newer weights") -> None:
+        """Fetch and load the learner's latest weights when they are ahead of the engine's (always
+        for ``initial weights``: after a learner restart the same number may be other weights)."""
+        if reason != "initial weights" and self.engine.version >= self.latest_version:
+            return
+        delay_s = 0.1
+        while True:
+            session = self._session()
+            try:
+                with self.metrics.stage("fetch_weights"):
+                    version, state = self.fetch_weights(session.actor_id)
+                break
+            except LearnerUnavailable as exc:  # e.g. nothing published yet; heartbeats tell if lost
+                log.info("waiting for weights (%s): %s; next try in %.1fs", reason, exc, delay_s)
+                if self.stop.wait(delay_s):
+                    return
+                delay_s = min(delay_s * 2, self.cfg.actor.connect_retry_max_s)
+        with self.metrics.stage("load_weights"):
+            self.engine.load_weights(state, version)
+        self.latest_version = max(self.latest_version, version)
+        self.metrics.weight_version = version
+        self.metrics.add("weight_loads")
+        log.log(logging.INFO if reason == "initial weights" else logging.DEBUG, "loaded weights v%d (%s) in %.3fs",
+                version, reason, self.metrics.last_stage_s["load_weights"])
+
+    def lease(self) -> list[pb.PromptLease]:
+        """Lease prompts for the engine's current weights; waits (counted idle) when refused."""
+        self.update_weights()  # never lease with weights the learner has already replaced
+        session = self._session()
+        with self.metrics.stage("lease"):
+            resp = self.client.call("Lease", pb.LeaseRequest(actor_id=session.actor_id,
+                                                             num_prompts=session.run.prompts_per_lease,
+                                                             weight_version=self.engine.version))
+        self.latest_version = max(self.latest_version, resp.latest_version)
+        if resp.leases:
+            self.metrics.add("leases_granted", len(resp.leases))
+            return list(resp.leases)
+        if resp.denial == pb.LEASE_DENIAL_SHUTTING_DOWN:
+            log.info("the run is stopping; leaving")
+            self.stop.set()
+        elif resp.denial != pb.LEASE_DENIAL_WEIGHTS_TOO_OLD:  # too old: the next lease() updates first
+            with self.metrics.stage("lease_wait"):
+                self.stop.wait(max(resp.retry_after_s, 0.01))
+        return []
+
+    def generate(self, leases: list[pb.PromptLease]) -> list[list[Sample]]:
+        run = self._session().run
+        inflight = self.cfg.actor.update_mode == "inflight"
+        seed = int(np.random.SeedSequence([self.cfg.actor.seed, self._session().actor_id,
+                                           self.batch_index]).generate_state(1)[0] % (2**31))
+        self.batch_index += 1
+        with self.metrics.stage("generate"):
+            groups = self.engine.generate([list(lease.prompt_token_ids) for lease in leases],
+                                          n=run.num_samples_per_prompt, max_tokens=run.max_response_tokens,
+                                          temperature=run.temperature, top_p=run.top_p, seed=seed,
+                                          chunk_tokens=self.cfg.actor.inflight_chunk_tokens if inflight else None,
+                                          between_chunks=self.update_weights if inflight else None)
+        samples = [s for g in groups for s in g]
+        self.metrics.add("samples_generated", len(samples))
+        self.metrics.add("tokens_generated", sum(s.num_tokens for s in samples))
+        return groups
+
+    def score_and_shape(self, leases: list[pb.PromptLease], groups: list[list[Sample]]) -> list[TrajectoryGroup]:
+        session = self._session()
+        out = []
+        with self.metrics.stage("score"):
+            for lease, samples in zip(leases, groups):
+                verdicts = self.verifier.score_many(
+                    [(lease.data_source, self.decode(s.token_ids), lease.ground_truth) for s in samples])
+                out.append(build_group(session, lease, samples, [v.reward for v in verdicts],
+                                       [v.acc for v in verdicts], session.run))
+        self.metrics.counters["verifier_errors"] = self.verifier.num_errors
+        self.metrics.counters["verifier_timeouts"] = self.verifier.num_timeouts
+        return out
+
+    def push(self, leases: list[pb.PromptLease], groups: list[TrajectoryGroup]) -> None:
+        session = self._session()
+        failed = []
+        with self.metrics.stage("push"):
+            for lease, group in zip(leases, groups):
+                if session.pusher.send(encode_group(group, self.cfg.transport.auth_token)):
+                    self.metrics.add("groups_pushed")
+                else:
+                    failed.append(lease.lease_id)
+        if failed:  # the queue did not take them in time: let other actors redo these prompts
+            self.metrics.add("push_failures", len(failed))
+            log.warning("replay queue %s did not accept %d groups within %.1fs; returning their leases",
+                        session.pusher.endpoint, len(failed), session.run.rpc_timeout_s)
+            resp = self.client.call("ReturnLeases", pb.ReturnLeasesRequest(actor_id=session.actor_id,
+                                                                           lease_ids=failed))
+            self.metrics.add("leases_returned", resp.num_returned)
+
+    def leave(self) -> None:
+        """Graceful leave: the coordinator re-issues whatever this actor still holds."""
+        session = self.session
+        if session is None:
+            return
+        try:
+            resp = self.client.call("Leave", pb.LeaveRequest(actor_id=session.actor_id), timeout_s=2.0)
+            self.metrics.add("leases_returned", resp.num_leases_returned)
+            log.info("left the run; %d leases returned", resp.num_leases_returned)
+        except (LearnerUnavailable, SessionLost) as exc:  # its heartbeats stop: leases expire anyway
+            log.info("leave: %s", exc)
+        self.close_session()
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _session(self) -> Session:
+        session = self.session
+        if session is None or session.lost.is_set():
+            raise SessionLost("the coordinator dropped this actor (missed heartbeats or learner restart)")
+        return session
+
+    def close_session(self) -> None:
+        if self.session is not None:
+            self.session.closed.set()
+            self.session.pusher.close()
+            self.session = None
+
+    def _heartbeat_loop(self, session: Session) -> None:
+        while not session.closed.wait(session.run.heartbeat_interval_s):
+            counters = pb.ActorCounters(**{k: self.metrics.counters[k] for k in pb.ActorCounters.DESCRIPTOR.fields_by_name})
+            try:
+                resp = self.client.call("Heartbeat", pb.HeartbeatRequest(
+                    actor_id=session.actor_id, weight_version=self.engine.version, counters=counters))
+            except SessionLost:
+                session.lost.set()
+                return
+            except (LearnerUnavailable, AuthError, RuntimeError) as exc:
+                log.debug("heartbeat: %s", exc)
+                continue
+            self.latest_version = max(self.latest_version, resp.latest_version)
+            if resp.shutdown:
+                log.info("the learner asked this actor to stop")
+                self.stop.set()
+
+    def _check_run_params(self, run: pb.RunParams) -> None:
+        longest = self.cfg.data.max_prompt_tokens + run.max_response_tokens
+        if longest > self.cfg.model.max_model_len_tokens:
+            raise ValueError(f"the learner's max_response_tokens={run.max_response_tokens} plus this actor's "
+                             f"data.max_prompt_tokens={self.cfg.data.max_prompt_tokens} exceed its "
+                             f"model.max_model_len_tokens={self.cfg.model.max_model_len_tokens}; start the "
+                             "actor with the learner's config overrides")
+
+    def log_progress(self) -> None:
+        now = time.monotonic()
+        if now - getattr(self, "_last_log", 0.0) >= 10.0:
+            self._last_log = now
+            log.info("%s", self.metrics.log_line())
+
+
+def build_group(session: Session, lease: pb.PromptLease, samples: list[Sample], scores: list[float],
+                accs: list[bool], run: pb.RunParams) -> TrajectoryGroup:
+    """A wire group from one lease's samples: overlong shaping, per-token version changes."""
+    lengths = np.array([s.num_tokens for s in samples], dtype=np.int32)
+    rewards = np.asarray(scores, dtype=np.float64)
+    if run.overlong_punishment:
+        rewards = rewards + overlong_penalty(lengths, run.max_response_tokens, run.overlong_cache_tokens)
+    changes = [(i, t, v) for i, s in enumerate(samples) for t in range(1, s.num_tokens)
+               if (v := s.versions[t]) != s.versions[t - 1]]
+    return TrajectoryGroup(
+        run_id=session.run_id, actor_id=session.actor_id, lease_id=lease.lease_id, prompt_id=lease.prompt_id,
+        prompt_ids=np.asarray(lease.prompt_token_ids, dtype=np.int32),
+        response_ids=np.concatenate([np.asarray(s.token_ids, dtype=np.int32) for s in samples]),
+        logprobs=np.concatenate([np.asarray(s.logprobs, dtype=np.float32) for s in samples]),
+        loss_mask=np.ones(int(lengths.sum()), dtype=np.uint8),
+        response_lengths=lengths,
+        versions=np.array([s.versions[0] for s in samples], dtype=np.int64),
+        version_changes=np.array(changes, dtype=np.int64).reshape(-1, 3),
+        rewards=rewards.astype(np.float32), acc=np.asarray(accs, dtype=np.float32),
+        scores=np.asarray(scores, dtype=np.float32), finish_reasons=tuple(s.finish_reason for s in samples))
