@@ -1,0 +1,129 @@
+"""Verifiers: ``score(data_source, response, ground_truth) -> (reward, acc, pred)``.
+
+The verifier is chosen by the row's ``data_source``:
+
+==========================================  ==================================================
+data_source                                  verifier
+==========================================  ==================================================
+``math_dapo``, ``math``,                     DAPO math (``math_dapo``): the last ``Answer:`` in
+``math_dapo_reasoning``, ``math_dapo*``      the last 300 characters, the DAPO normalisation
+(e.g. ``math_dapo_cispo_cold_start_model``,  (``dapo.math_normalize``) of prediction and ground
+the DAPO-Math sample), ``debug/dapo_math``   truth, string equality. Reproduces the paper's
+(the toy jsonl)                              verifier exactly.
+``aime*`` (``aime24``, ``aime25``, ...),     ``\\boxed{}``: the last ``\\boxed{..}`` in the last
+``lighteval/MATH``, ``HuggingFaceH4/         1000 characters (else the DAPO ``Answer:`` line:
+MATH-500``, ``DigitalLearningGmbH/           AIME prompted with the DAPO template), the same
+MATH-lighteval``                             normalisation, then equal as numbers when both are
+                                             plain decimals ("042" == "42" == "42.0"), else as
+                                             strings.
+``dapo_builtin``                             the built-in task (``dapo.task.verify``): the integer
+                                             on the last ``Answer:`` line equals the sum.
+==========================================  ==================================================
+
+Rewards are +1 (correct) and -1 (wrong, no answer, or verifier error); ``acc`` is the bool
+behind the reward and ``pred`` the normalised prediction (``[INVALID]`` when none was found).
+
+A verifier that raises yields ``(-1.0, False, "[error]")`` and increments a module counter
+(``verifier_error_count()``); ``score`` never raises for any response (empty, 1 MB, binary or
+invalid unicode). Work per call is bounded: only a fixed tail of the response is read and every
+regex is linear on it. A hard wall-clock timeout needs a separate process: that wrapper is the
+actor's (``actors/verifier.py``), not this module's. An unknown ``data_source`` is a
+configuration error and raises ``ValueError`` naming the known sources.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+from dapo import task
+from dapo.math_normalize import (INVALID, as_number, extract_dapo_answer, last_boxed,
+                                 normalize_final_answer)
+
+DAPO_TAIL_CHARS = 300
+"""The DAPO verifier reads only this many trailing characters (as in the paper's code)."""
+BOXED_TAIL_CHARS = 1000
+"""The ``\\boxed{}`` verifier reads only this many trailing characters."""
+ERROR_PRED = "[error]"
+
+DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning", "debug/dapo_math")
+DAPO_PREFIXES = ("math_dapo",)
+BOXED_SOURCES = ("lighteval/MATH", "HuggingFaceH4/MATH-500", "DigitalLearningGmbH/MATH-lighteval")
+BOXED_PREFIXES = ("aime",)
+
+Verifier = Callable[[str, str], tuple[bool, str]]
+
+_error_lock = threading.Lock()
+_error_count = 0
+
+
+def verifier_error_count() -> int:
+    """Verifier calls in this process that raised (and were scored -1)."""
+    return _error_count
+
+
+def verify_dapo_math(response: str, ground_truth: str) -> tuple[bool, str]:
+    """The DAPO math verifier (paper / verl ``math_dapo.compute_score``, non-strict mode)."""
+    pred = normalize_final_answer(extract_dapo_answer(response[-DAPO_TAIL_CHARS:]))
+    return pred == normalize_final_answer(ground_truth), pred
+
+
+def verify_boxed(response: str, ground_truth: str) -> tuple[bool, str]:
+    """Last ``\\boxed{}`` answer (else the last ``Answer:`` line, so that a boxed-style set
+    prompted with the DAPO template still scores), numeric equality for plain decimals, else
+    normalised strings."""
+    tail = response[-BOXED_TAIL_CHARS:]
+    boxed = last_boxed(tail)
+    if boxed is None:
+        boxed = extract_dapo_answer(tail[-DAPO_TAIL_CHARS:])
+        if boxed == INVALID:
+            return False, INVALID
+    pred = normalize_final_answer(boxed)
+    gt = normalize_final_answer(ground_truth)
+    pred_num, gt_num = as_number(pred), as_number(gt)
+    if pred_num is not None and gt_num is not None:
+        return pred_num == gt_num, pred
+    return pred == gt, pred
+
+
+def verify_builtin(response: str, ground_truth: str) -> tuple[bool, str]:
+    """The built-in task's verifier (``dapo.task.verify``)."""
+    return task.verify(response, ground_truth)
+
+
+def known_sources() -> str:
+    """Human-readable list of the data sources ``score`` accepts."""
+    return (f"{', '.join(DAPO_SOURCES)}, {'*, '.join(DAPO_PREFIXES)}* (DAPO math); "
+            f"{'*, '.join(BOXED_PREFIXES)}*, {', '.join(BOXED_SOURCES)} (boxed); "
+            f"{task.DATA_SOURCE} (built-in task)")
+
+
+def verifier_for(data_source: str) -> Verifier:
+    """The verifier for ``data_source``; ValueError naming the known sources when there is none."""
+    if data_source == task.DATA_SOURCE:
+        return verify_builtin
+    if data_source in DAPO_SOURCES or data_source.startswith(DAPO_PREFIXES):
+        return verify_dapo_math
+    if data_source in BOXED_SOURCES or data_source.startswith(BOXED_PREFIXES):
+        return verify_boxed
+    raise ValueError(f"no verifier for data_source {data_source!r}: known sources are "
+                     f"{known_sources()}. Fix the dataset's data_source column or add a verifier "
+                     f"in dapo/rewards.py.")
+
+
+def score(data_source: str, response: str | bytes, ground_truth: str) -> tuple[float, bool, str]:
+    """(reward, acc, pred) of one response: +1/-1, whether it is correct, the normalised
+    prediction. Never raises for a bad response (bytes are decoded with replacement); raises
+    ValueError only for an unknown ``data_source``."""
+    global _error_count
+    verifier = verifier_for(data_source)
+    try:
+        if isinstance(response, (bytes, bytearray)):
+            # Decode only the tail: bounded work however large the payload is.
+            response = bytes(response[-4 * BOXED_TAIL_CHARS:]).decode("utf-8", errors="replace")
+        correct, pred = verifier(response, str(ground_truth))
+    except Exception:  # noqa: BLE001 - any verifier failure is a scored, counted -1, never a crash
+        with _error_lock:
+            _error_count += 1
+        return -1.0, False, ERROR_PRED
+    return (1.0 if correct else -1.0), bool(correct), pred
