@@ -1,0 +1,141 @@
+"""The built-in task: three-digit addition with a column-by-column worked solution.
+
+A prompt is the bare problem as the user message, e.g. ``"374+458"``; a correct response works
+the columns from the right, carry included, then gives the answer line::
+
+    4+8+0=12, 7+5+1=13, 3+4+1=8. Answer: 832<|im_end|>
+
+That is ~35 tokens with the tiny model's tokenizer (every digit is one token), so responses are
+"a few dozen tokens" and generation dominates a step, as in reasoning RL. The answer is
+verifiable (``verify``: the integer on the last ``Answer:`` line equals a + b).
+
+Why this task (the design constraints of the embedded default):
+- RL must start at 0.1-0.4 held-out accuracy and reach >= 0.8 in minutes on 2 CPU cores. From
+  random init every group is all wrong and nothing is learned, so the tiny model is warm-started
+  by supervised training (``dapo.tiny``) on *noisy* worked solutions: each column sum is written
+  wrong with probability ``step_error_prob`` (the rest of the solution stays consistent with the
+  wrong sum), and some responses are ``verbose`` (the columns are worked twice, which runs past
+  the response-length limit). The warm-started model thus knows the format and the addition
+  facts but samples a wrong column or a runaway response often: groups have mixed accuracy and
+  RL has real work (sharpen the column sums, stop rambling), which it can do in minutes.
+- Overlong responses exist from the start (the verbose mode is ~70 tokens, past the default
+  ``actor.max_response_tokens`` = 48), so overlong shaping and filtering matter.
+
+Train and eval problems are disjoint: a problem's split is a fixed hash of (a, b) (1 in 16 pairs
+is eval), independent of seeds and sizes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from typing import Any
+
+DATA_SOURCE = "dapo_builtin"
+"""``data_source`` of the built-in task's rows; ``dapo.rewards.score`` routes it to ``verify``."""
+
+OPERAND_MIN, OPERAND_MAX = 100, 999
+EVAL_HASH_MODULUS = 16
+"""A pair (a, b) is held out (eval split) when its hash is 0 modulo this: 1/16 of all pairs."""
+
+SPLITS = ("train", "eval")
+
+_ANSWER_RE = re.compile(r"Answer:\s*(-?\d{1,12})\s*$")
+_TAIL_CHARS = 300
+
+
+def problem_text(a: int, b: int) -> str:
+    """The user message for problem a + b."""
+    return f"{a}+{b}"
+
+
+def split_of(a: int, b: int) -> str:
+    """``train`` or ``eval``: a fixed function of the pair (never of a seed)."""
+    digest = hashlib.blake2b(f"{a},{b}".encode(), digest_size=8).digest()
+    return "eval" if int.from_bytes(digest, "little") % EVAL_HASH_MODULUS == 0 else "train"
+
+
+def sample_problems(split: str, n: int, seed: int) -> list[tuple[int, int]]:
+    """``n`` distinct problems (a, b) of ``split``, in a fixed order for ``seed``."""
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r} is unknown: expected one of {SPLITS}.")
+    # Salted by split so that train and eval draw independent streams for the same seed.
+    rng = random.Random(f"dapo-builtin/{split}/{seed}")
+    out: list[tuple[int, int]] = []
+    seen: set[tuple[int, int]] = set()
+    while len(out) < n:
+        pair = (rng.randint(OPERAND_MIN, OPERAND_MAX), rng.randint(OPERAND_MIN, OPERAND_MAX))
+        if pair in seen or split_of(*pair) != split:
+            continue
+        seen.add(pair)
+        out.append(pair)
+    return out
+
+
+def _digits_low_first(x: int) -> list[int]:
+    return [int(c) for c in reversed(str(x))]
+
+
+def worked_solution(a: int, b: int, *, rng: random.Random | None = None,
+                    step_error_prob: float = 0.0, verbose: bool = False) -> str:
+    """The response text (without the end-of-turn token) for a + b.
+
+    With ``rng`` and ``step_error_prob`` > 0, each column sum is replaced by a wrong one with that
+    probability; carries and the answer then follow the written (wrong) sums, so the text stays
+    self-consistent and only the arithmetic is wrong. ``verbose`` works the columns twice.
+    """
+    da, db = _digits_low_first(a), _digits_low_first(b)
+    steps, answer_digits, carry = [], [], 0
+    for x, y in zip(da, db):
+        total = x + y + carry
+        if rng is not None and step_error_prob > 0 and rng.random() < step_error_prob:
+            total = rng.choice([t for t in range(0, 20) if t != total])
+        steps.append(f"{x}+{y}+{carry}={total}")
+        answer_digits.append(total % 10)
+        carry = total // 10
+    if carry:
+        answer_digits.append(carry)
+    answer = "".join(str(d) for d in reversed(answer_digits))
+    work = ", ".join(steps)
+    if verbose:
+        work = f"{work}, again {work}"
+    return f"{work}. Answer: {int(answer)}"
+
+
+def verify(response: str, ground_truth: str) -> tuple[bool, str]:
+    """(correct, pred): the integer on the last ``Answer:`` line of the tail equals ground_truth.
+
+    Reads only the last 300 characters and uses an anchored, linear-time regex per line, so a
+    call is bounded however long the response is. ``pred`` is ``"[INVALID]"`` when no answer line
+    is found.
+    """
+    pred = "[INVALID]"
+    for line in reversed(response[-_TAIL_CHARS:].splitlines()):
+        idx = line.rfind("Answer:")
+        if idx < 0:
+            continue
+        match = _ANSWER_RE.search(line[idx:])
+        if match:
+            pred = str(int(match.group(1)))
+        break
+    try:
+        expected = str(int(ground_truth.strip()))
+    except ValueError:
+        raise ValueError(f"built-in task ground truth must be an integer, got {ground_truth!r}") from None
+    return pred == expected, pred
+
+
+def make_builtin_rows(split: str, n: int, seed: int) -> list[dict[str, Any]]:
+    """``n`` rows of the built-in task in the verl schema (``data_source``, ``prompt``,
+    ``ability``, ``reward_model``, ``extra_info``), train and eval splits disjoint."""
+    rows = []
+    for index, (a, b) in enumerate(sample_problems(split, n, seed)):
+        rows.append({
+            "data_source": DATA_SOURCE,
+            "prompt": [{"role": "user", "content": problem_text(a, b)}],
+            "ability": "arithmetic",
+            "reward_model": {"ground_truth": str(a + b), "style": "rule"},
+            "extra_info": {"index": index, "split": split, "a": a, "b": b},
+        })
+    return rows
