@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     client = CoordinatorClient(args.learner, t.auth_token, t.rpc_timeout_s, max_message_bytes=t.max_message_bytes,
                                reconnect_backoff_max_s=cfg.actor.connect_retry_max_s)
     fetch, close_fetch = network_fetcher(args.learner, t.auth_token, t.rpc_timeout_s)
-    verifier = Verifier(cfg.actor.verifier_timeout_s)
+    verifier = Verifier(cfg.actor.verifier_timeout_s, cfg.actor.reward_fn)
     metrics = ActorMetrics()
     server = serve_prometheus(metrics, cfg.actor.prometheus_port) if cfg.actor.prometheus_port > 0 else None
     actor = Actor(cfg, client, engine, verifier, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),

@@ -156,6 +156,9 @@ class ActorConfig:
     """Decoding chunk length for ``update_mode=inflight``, in tokens."""
     verifier_timeout_s: float = 2.0
     """A verifier call that runs longer scores -1 and counts an error."""
+    reward_fn: str = "dapo.rewards:score"
+    """``module:function`` that scores one response, ``fn(data_source, response_text, ground_truth)
+    -> (reward, acc, pred)``; runs in the actor's verifier worker process (importable there)."""
     heartbeat_interval_s: float = 1.0
     """Seconds between heartbeats to the coordinator."""
     connect_retry_max_s: float = 10.0
@@ -175,6 +178,9 @@ class ActorConfig:
                self.update_mode, "between_batches or inflight")
         _check(self.inflight_chunk_tokens >= 1, "actor.inflight_chunk_tokens", self.inflight_chunk_tokens, ">= 1")
         _check(self.verifier_timeout_s > 0, "actor.verifier_timeout_s", self.verifier_timeout_s, "> 0")
+        module, _, function = self.reward_fn.partition(":")
+        _check(bool(module) and function.isidentifier(), "actor.reward_fn", self.reward_fn,
+               "module:function, e.g. dapo.rewards:score")
         _check(self.heartbeat_interval_s > 0, "actor.heartbeat_interval_s", self.heartbeat_interval_s, "> 0")
 
 
