@@ -1,0 +1,252 @@
+"""Prompt datasets: verl-format parquet / jsonl rows, prompt rendering, the built-in task.
+
+Rows are dicts in the verl / DAPO schema: ``data_source`` (str, picks the verifier in
+``dapo.rewards``), ``prompt`` (list of ``{"role", "content"}`` chat messages),
+``reward_model.ground_truth`` (str), ``extra_info.index``, plus whatever else the file holds.
+``load_rows`` reads ``.parquet`` (pyarrow) and ``.jsonl`` (one JSON object per line);
+``builtin`` rows come from ``dapo.task.make_builtin_rows``.
+
+Rendering a row into prompt text (``render_prompt``), exactly:
+
+- ``chat``: ``tokenizer.apply_chat_template(row["prompt"], add_generation_prompt=True,
+  tokenize=False)``: all messages as given. With the tiny model's ChatML template a one-message
+  row becomes ``"<|im_start|>user\\n" + content + "<|im_end|>\\n<|im_start|>assistant\\n"``.
+- ``dapo``: the last user message's content is replaced by
+  ``DAPO_PREFIX + problem + DAPO_SUFFIX`` (the DAPO release's template), then ``chat`` as above.
+  ``problem`` is the content with any instruction already wrapped around it removed first, so
+  that a row is never templated twice: a leading full ``DAPO_PREFIX`` (and trailing
+  ``DAPO_SUFFIX``), else a leading ``"Solve the following math problem step by step."`` sentence
+  (DAPO-Math-17k sample rows), a trailing ``BOXED_INSTRUCTION`` (AIME rows) -- each followed /
+  preceded by its whitespace, which is stripped.
+- ``raw``: the messages' contents joined with ``"\\n\\n"`` (no template, no special tokens).
+- ``auto``: ``chat`` (files and the built-in task alike: the built-in task's own format is its
+  bare problem ``"a+b"`` as the user message, rendered with the chat template).
+
+Prompt token ids are ``tokenizer(text, add_special_tokens=False)["input_ids"]`` (the template
+already holds the special tokens). With ``dedup`` a row whose rendered text equals an earlier
+row's is dropped (DAPO-Math-17k repeats each prompt 100x); rows longer than
+``max_prompt_tokens`` are dropped with a warning and counted. ``prompt_id`` is the row's index in
+what remains (``PromptDataset``), stable for a given file and settings.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from dapo import task
+
+log = logging.getLogger(__name__)
+
+TEMPLATES = ("auto", "chat", "dapo", "raw")
+BUILTIN = "builtin"
+BUILTIN_EVAL_SEED = 0
+"""The built-in held-out set does not depend on ``run.seed``: eval numbers compare across runs."""
+
+DAPO_PREFIX = ("Solve the following math problem step by step. The last line of your response "
+               "should be of the form Answer: $Answer (without quotes) where $Answer is the answer "
+               "to the problem.\n\n")
+DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
+DAPO_SHORT_PREFIX = "Solve the following math problem step by step."
+BOXED_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+class Prompt(NamedTuple):
+    """One prompt of a ``PromptDataset``."""
+
+    prompt_id: int
+    prompt_token_ids: list[int]
+    data_source: str
+    ground_truth: str
+
+
+def load_rows(path: str | Path) -> list[dict[str, Any]]:
+    """All rows of a verl-format ``.parquet`` or ``.jsonl`` file, validated."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file {str(path)!r} does not exist: pass a verl-format "
+                                f".parquet or .jsonl file, or `builtin`.")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(path).to_pylist()
+    elif path.suffix == ".jsonl":
+        rows = []
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{path}:{lineno}: not a JSON object ({exc.msg}); expected one "
+                                     f"verl-format row per line.") from None
+    else:
+        raise ValueError(f"dataset file {str(path)!r} has suffix {path.suffix!r}: expected .parquet "
+                         f"or .jsonl (verl format).")
+    for i, row in enumerate(rows):
+        _validate_row(row, f"{path} row {i}")
+    return rows
+
+
+def _validate_row(row: Any, where: str) -> None:
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{where}: {what}; expected the verl schema (data_source: str, prompt: "
+                          f"list of {{role, content}}, reward_model: {{ground_truth}}).")
+
+    if not isinstance(row, dict):
+        raise bad(f"row is a {type(row).__name__}, not an object")
+    if not isinstance(row.get("data_source"), str):
+        raise bad(f"data_source is {row.get('data_source')!r}")
+    messages = row.get("prompt")
+    if (not isinstance(messages, list) or not messages
+            or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                       and isinstance(m.get("content"), str) for m in messages)):
+        raise bad(f"prompt is {messages!r:.200}")
+    reward_model = row.get("reward_model")
+    if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
+        raise bad(f"reward_model is {reward_model!r:.200}")
+
+
+def strip_instructions(content: str) -> str:
+    """The bare problem of a user message (see the module docstring, ``dapo`` template)."""
+    text = content
+    if text.startswith(DAPO_PREFIX):
+        text = text[len(DAPO_PREFIX):]
+        if text.endswith(DAPO_SUFFIX):
+            text = text[:-len(DAPO_SUFFIX)]
+    elif text.startswith(DAPO_SHORT_PREFIX):
+        text = text[len(DAPO_SHORT_PREFIX):]
+    if text.rstrip().endswith(BOXED_INSTRUCTION):
+        text = text.rstrip()[:-len(BOXED_INSTRUCTION)]
+    return text.strip()
+
+
+def dapo_messages(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """``messages`` with the last user message wrapped in the DAPO template."""
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+    if last_user is None:
+        raise ValueError(f"prompt has no user message to wrap in the DAPO template: {messages!r:.200}")
+    out = [dict(m) for m in messages]
+    out[last_user]["content"] = DAPO_PREFIX + strip_instructions(messages[last_user]["content"]) + DAPO_SUFFIX
+    return out
+
+
+def render_prompt(row: dict[str, Any], tokenizer: Any, template: str) -> str:
+    """The prompt text of ``row`` under ``template`` (see the module docstring)."""
+    if template not in TEMPLATES:
+        raise ValueError(f"prompt template {template!r} is unknown: expected one of {TEMPLATES}.")
+    messages = [{"role": m["role"], "content": m["content"]} for m in row["prompt"]]
+    if template == "raw":
+        return "\n\n".join(m["content"] for m in messages)
+    if template == "dapo":
+        messages = dapo_messages(messages)
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("the tokenizer has no chat template: set data.prompt_template=raw, or use a "
+                         "model folder whose tokenizer_config/chat_template.jinja defines one.")
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+class PromptDataset:
+    """Rendered, tokenized, optionally de-duplicated prompts; item ``i`` has ``prompt_id == i``."""
+
+    def __init__(self, rows: list[dict[str, Any]], tokenizer: Any, *, template: str = "auto",
+                 dedup: bool = True, max_prompt_tokens: int | None = None) -> None:
+        self.num_rows = len(rows)
+        self.duplicates_dropped = 0
+        self.too_long_dropped = 0
+        seen: set[str] = set()
+        kept: list[tuple[dict[str, Any], str]] = []
+        for row in rows:
+            text = render_prompt(row, tokenizer, template)
+            if dedup:
+                if text in seen:
+                    self.duplicates_dropped += 1
+                    continue
+                seen.add(text)
+            kept.append((row, text))
+        ids = tokenizer([t for _, t in kept], add_special_tokens=False)["input_ids"] if kept else []
+        self.rows: list[dict[str, Any]] = []
+        self.texts: list[str] = []
+        self._ids: list[list[int]] = []
+        for (row, text), token_ids in zip(kept, ids):
+            if max_prompt_tokens is not None and len(token_ids) > max_prompt_tokens:
+                self.too_long_dropped += 1
+                continue
+            self.rows.append(row)
+            self.texts.append(text)
+            self._ids.append(list(token_ids))
+        if self.too_long_dropped:
+            log.warning("dropped %d prompts longer than data.max_prompt_tokens=%d tokens; raise it "
+                        "(and model.max_model_len_tokens) to keep them", self.too_long_dropped,
+                        max_prompt_tokens)
+        if not self.rows:
+            raise ValueError(f"no prompts left out of {self.num_rows} rows ({self.duplicates_dropped} "
+                             f"duplicates, {self.too_long_dropped} longer than {max_prompt_tokens} "
+                             f"tokens).")
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, prompt_id: int) -> Prompt:
+        if not 0 <= prompt_id < len(self.rows):
+            raise IndexError(f"prompt_id {prompt_id} out of range: the dataset has {len(self.rows)} prompts.")
+        row = self.rows[prompt_id]
+        return Prompt(prompt_id, list(self._ids[prompt_id]), row["data_source"],
+                      str(row["reward_model"]["ground_truth"]))
+
+
+def rows_for(path: str, split: str, cfg: Any) -> list[dict[str, Any]]:
+    """Rows of ``path`` (a file or ``builtin``); ``split`` picks the built-in task's split."""
+    if path == BUILTIN:
+        if split == "train":
+            return task.make_builtin_rows("train", cfg.data.builtin_num_train_prompts, cfg.run.seed)
+        return task.make_builtin_rows("eval", cfg.data.builtin_num_eval_prompts, BUILTIN_EVAL_SEED)
+    return load_rows(path)
+
+
+def build_dataset(cfg: Any, split: str, tokenizer: Any) -> PromptDataset:
+    """The train (``data.train_path``) or eval (``data.eval_path``) dataset of a ``DapoConfig``."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split {split!r} is unknown: expected train or eval.")
+    path = cfg.data.train_path if split == "train" else cfg.data.eval_path
+    return PromptDataset(rows_for(path, split, cfg), tokenizer, template=cfg.data.prompt_template,
+                         dedup=cfg.data.dedup_by_prompt, max_prompt_tokens=cfg.data.max_prompt_tokens)
+
+
+def inspect_main(file: str, rows: int, overrides: list[str]) -> None:
+    """``dapo data inspect FILE``: print how the first ``rows`` rows render, and a summary."""
+    from transformers import AutoTokenizer
+
+    from dapo.config import ConfigError, load_config
+    from dapo.tiny import resolve_model_path
+
+    try:
+        cfg = load_config(overrides)
+    except ConfigError as exc:
+        print(f"dapo: {exc}", file=sys.stderr)
+        raise SystemExit(2)
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(cfg)))
+    try:
+        ds = PromptDataset(rows_for(file, "train", cfg), tokenizer, template=cfg.data.prompt_template,
+                           dedup=cfg.data.dedup_by_prompt, max_prompt_tokens=cfg.data.max_prompt_tokens)
+    except (OSError, ValueError) as exc:
+        print(f"dapo: {exc}", file=sys.stderr)
+        raise SystemExit(2)
+    for i in range(min(rows, len(ds))):
+        p = ds[i]
+        print(f"--- prompt_id {p.prompt_id}  data_source={p.data_source}  ground_truth={p.ground_truth!r}  "
+              f"tokens={len(p.prompt_token_ids)}")
+        print(ds.texts[i])
+    lengths = [len(ds[i].prompt_token_ids) for i in range(len(ds))]
+    sources = Counter(r["data_source"] for r in ds.rows)
+    print("--- summary")
+    print(f"file: {file}  template: {cfg.data.prompt_template}  model: {cfg.model.path}")
+    print(f"rows: {ds.num_rows}  duplicates dropped: {ds.duplicates_dropped}  "
+          f"longer than {cfg.data.max_prompt_tokens} tokens dropped: {ds.too_long_dropped}  prompts: {len(ds)}")
+    print(f"prompt tokens: min {min(lengths)}  mean {sum(lengths) / len(lengths):.1f}  max {max(lengths)}")
+    print("data sources: " + ", ".join(f"{k} ({v})" for k, v in sources.most_common()))

@@ -1,0 +1,256 @@
+"""The embedded tiny model: a Qwen2-style causal LM and byte-level BPE tokenizer, built offline
+and warm-started on the built-in task (``dapo.task``), saved as an HF folder that transformers
+and vLLM both load.
+
+Pipeline (``ensure_tiny_model``), deterministic for a seed:
+
+1. Tokenizer: byte-level BPE with exactly Qwen2's pre-tokenizer/decoder (transformers forces
+   ``Qwen2Tokenizer`` for ``model_type=qwen2`` and would replace anything else), trained on task
+   text plus the DAPO/AIME prompt phrases, full 256-byte alphabet (any string encodes), specials
+   ``<|endoftext|>`` (pad), ``<|im_start|>``, ``<|im_end|>`` (eos), padded with ``<|extra_i|>``
+   so that every model id decodes; a ChatML chat template. Every digit is its own token.
+2. Model: ``Qwen2ForCausalLM`` (see ``RECIPE``: head_dim 32, the smallest vLLM's CPU attention
+   supports; tied embeddings), random init from the seed.
+3. Warm start: ``RECIPE["sft_steps"]`` steps of supervised training on worked solutions of
+   train-split problems (loss on response tokens only), a fraction of them verbose (they run past
+   the response limit). Deliberately short: the greedy answer is mostly right but sampling at
+   temperature 1 is right only ~0.2-0.35 of the time, so RL starts from mixed groups and has
+   real work (sharpening, dropping the verbose mode). Numbers are in the README notes.
+
+The folder is cached under ``cache_dir`` keyed by a hash of the recipe and the seed; it is built
+in a temporary folder and renamed into place, so concurrent builders and interrupted builds never
+leave a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from dapo import task
+
+BUILTIN_MODEL = "builtin:tiny"
+
+RECIPE: dict[str, Any] = {
+    "version": 1,
+    "vocab_size": 384,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rope_theta": 10000.0,
+    "sft_batch_size": 32,
+    "sft_warmup_steps": 30,
+    # Phase 1 learns the skill on clean worked solutions; phase 2 (short) teaches the sampling
+    # distribution to write a wrong column sum / a verbose response at a set rate, which fixes
+    # the warm-start accuracy at temperature 1 whatever phase 1 reached.
+    "sft_phases": [
+        {"steps": 400, "lr": 3e-3, "step_error_prob": 0.0, "verbose_prob": 0.1},
+        {"steps": 100, "lr": 1e-3, "step_error_prob": 0.3, "verbose_prob": 0.1},
+    ],
+}
+"""Everything that determines the built model; its hash names the cache folder. Change a value
+(or bump ``version`` when the code changes what is built) and a new folder is built."""
+
+PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Qwen2's pre-tokenisation regex (what Qwen2Tokenizer installs anyway).
+_PRETOKENIZE_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
+                      r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+_EXTRA_CORPUS = (
+    "Solve the following math problem step by step. The last line of your response should be of "
+    "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.",
+    'Remember to put your answer on its own line after "Answer:".',
+    "Please reason step by step, and put your final answer within \\boxed{}.",
+    "Think step by step, then output the final result on a single line exactly as: Answer: <number>",
+    "system user assistant The answer is",
+)
+
+
+def recipe_hash(seed: int) -> str:
+    """Short hash of ``RECIPE`` and the seed: the cache folder's name."""
+    blob = json.dumps({"recipe": RECIPE, "seed": seed}, sort_keys=True).encode()
+    return hashlib.blake2b(blob, digest_size=6).hexdigest()
+
+
+def build_tokenizer() -> Any:
+    """The byte-level BPE tokenizer (a ``PreTrainedTokenizerFast``), trained offline."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random("dapo-tiny-tokenizer")
+    corpus = []
+    for a, b in task.sample_problems("train", 300, seed=12345):
+        response = task.worked_solution(a, b, verbose=rng.random() < 0.2)
+        corpus.append(f"{BOS_TOKEN}user\n{task.problem_text(a, b)}{EOS_TOKEN}\n"
+                      f"{BOS_TOKEN}assistant\n{response}{EOS_TOKEN}\n")
+    corpus += list(_EXTRA_CORPUS) * 5
+    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    vocab_size = RECIPE["vocab_size"]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD_TOKEN, BOS_TOKEN, EOS_TOKEN],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus, trainer)
+    if tok.get_vocab_size() < vocab_size:
+        # Pad so that tokenizer vocab == model vocab: every id the model can sample decodes.
+        tok.add_tokens([f"<|extra_{i}|>" for i in range(vocab_size - tok.get_vocab_size())])
+    assert tok.get_vocab_size() == vocab_size, tok.get_vocab_size()
+    hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN,
+                                     model_max_length=RECIPE["max_position_embeddings"])
+    hf_tok.chat_template = CHAT_TEMPLATE
+    return hf_tok
+
+
+def build_model(tokenizer: Any, seed: int) -> Any:
+    """A randomly initialised ``Qwen2ForCausalLM`` (fp32) matching ``tokenizer``."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=RECIPE["vocab_size"], hidden_size=RECIPE["hidden_size"],
+        intermediate_size=RECIPE["intermediate_size"], num_hidden_layers=RECIPE["num_hidden_layers"],
+        num_attention_heads=RECIPE["num_attention_heads"], num_key_value_heads=RECIPE["num_key_value_heads"],
+        max_position_embeddings=RECIPE["max_position_embeddings"], rope_theta=RECIPE["rope_theta"],
+        tie_word_embeddings=True, bos_token_id=tokenizer.convert_tokens_to_ids(BOS_TOKEN),
+        eos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN),
+        pad_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN), torch_dtype="float32")
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config).float()
+
+
+def render_builtin_prompt(tokenizer: Any, a: int, b: int) -> str:
+    """The prompt text of problem a + b (chat template with the generation prompt)."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": task.problem_text(a, b)}],
+                                         add_generation_prompt=True, tokenize=False)
+
+
+def _sft_batch(tokenizer: Any, problems: list[tuple[int, int]], rng: random.Random,
+               phase: dict[str, Any]) -> tuple[Any, Any, Any]:
+    """(input ids, attention mask, loss mask over targets) of one warm-start batch."""
+    import torch
+
+    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
+    seqs, masks = [], []
+    for a, b in problems:
+        response = task.worked_solution(a, b, rng=rng, step_error_prob=phase["step_error_prob"],
+                                        verbose=rng.random() < phase["verbose_prob"])
+        prompt_ids = tokenizer(render_builtin_prompt(tokenizer, a, b))["input_ids"]
+        response_ids = tokenizer(response)["input_ids"] + [eos_id]
+        seqs.append(prompt_ids + response_ids)
+        masks.append([0.0] * len(prompt_ids) + [1.0] * len(response_ids))
+    width = max(len(s) for s in seqs)
+    ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs])
+    attn = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    loss_mask = torch.tensor([m + [0.0] * (width - len(m)) for m in masks])[:, 1:]
+    return ids, attn, loss_mask
+
+
+def warm_start(model: Any, tokenizer: Any, seed: int, *, progress: bool = True) -> list[float]:
+    """Supervised warm start on the built-in task (in place, phases of ``RECIPE``); returns the
+    loss per step. Train-split problems only: the eval split stays held out."""
+    import torch
+    import torch.nn.functional as F
+    from tqdm import tqdm
+
+    phases, batch_size = RECIPE["sft_phases"], RECIPE["sft_batch_size"]
+    total = sum(p["steps"] for p in phases)
+    problems = task.sample_problems("train", total * batch_size, seed=seed + 1_000_000)
+    rng = random.Random(f"dapo-tiny-sft/{seed}")
+    torch.manual_seed(seed)
+    model.train()
+    losses: list[float] = []
+    bar = tqdm(total=total, desc="warm-starting the tiny model", unit="step", disable=not progress,
+               mininterval=1.0)
+    for phase in phases:
+        opt = torch.optim.AdamW(model.parameters(), lr=phase["lr"], betas=(0.9, 0.98), weight_decay=0.0)
+        steps = phase["steps"]
+        for step in range(steps):
+            # Linear warm-up, then cosine decay to 0, per phase.
+            scale = min(1.0, (step + 1) / RECIPE["sft_warmup_steps"]) * 0.5 * (1 + math.cos(math.pi * step / steps))
+            for group in opt.param_groups:
+                group["lr"] = phase["lr"] * scale
+            k = len(losses)
+            ids, attn, mask = _sft_batch(tokenizer, problems[k * batch_size:(k + 1) * batch_size], rng, phase)
+            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+            nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                  reduction="none").view_as(mask)
+            loss = (nll * mask).sum() / mask.sum()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            losses.append(loss.item())
+            bar.update(1)
+    bar.close()
+    model.eval()
+    return losses
+
+
+def _write_folder(out: Path, seed: int, progress: bool) -> None:
+    from transformers import GenerationConfig
+
+    t0 = time.monotonic()
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed)
+    losses = warm_start(model, tokenizer, seed, progress=progress)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    GenerationConfig(bos_token_id=model.config.bos_token_id, eos_token_id=model.config.eos_token_id,
+                     pad_token_id=model.config.pad_token_id).save_pretrained(out)
+    info = {"recipe": RECIPE, "seed": seed, "build_time_s": round(time.monotonic() - t0, 2),
+            "warm_start_final_loss": losses[-1] if losses else None}
+    (out / "dapo_tiny.json").write_text(json.dumps(info, indent=2) + "\n")
+
+
+def ensure_tiny_model(cache_dir: str | Path, seed: int = 0, *, progress: bool = True) -> Path:
+    """Path of the warm-started tiny model folder for ``seed``, building it once (cached)."""
+    cache_dir = Path(cache_dir)
+    final = cache_dir / f"tiny-{recipe_hash(seed)}-seed{seed}"
+    if (final / "dapo_tiny.json").is_file():
+        return final
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=cache_dir))
+    try:
+        _write_folder(tmp, seed, progress)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            # Another process finished the same build first: its folder is identical, keep it.
+            if not (final / "dapo_tiny.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def resolve_model_path(cfg: Any) -> Path:
+    """The model folder of a ``DapoConfig``: ``builtin:tiny`` -> the cached tiny model (built
+    under ``cfg.run.cache_dir`` with ``cfg.run.seed``), else ``cfg.model.path`` itself."""
+    path = cfg.model.path
+    if path == BUILTIN_MODEL:
+        return ensure_tiny_model(cfg.run.cache_dir, cfg.run.seed)
+    if path.startswith("builtin:"):
+        raise ValueError(f"model.path {path!r} is not a known built-in model: expected "
+                         f"{BUILTIN_MODEL!r} or a local HF model folder.")
+    folder = Path(path).expanduser()
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"model.path {path!r} is not an HF model folder (no config.json there): "
+                         f"pass a local folder saved with save_pretrained, or {BUILTIN_MODEL!r}.")
+    return folder
