@@ -358,7 +358,14 @@ class Coordinator:
         for actor in [a for a in self._actors.values() if now - a.last_seen_s > self.heartbeat_timeout_s]:
             self._drop_actor_locked(actor, "leases_expired_heartbeat")
             self._count("actors_expired")
-        for lease in [l for l in self._active.values() if now - l.issued_at_s > self.lease_timeout_s]:
+        # _active is in issue order (dicts keep insertion order), so the timed-out leases are a
+        # prefix: this stays O(expired), not O(active), on every call.
+        expired = []
+        for lease in self._active.values():
+            if now - lease.issued_at_s <= self.lease_timeout_s:
+                break
+            expired.append(lease)
+        for lease in expired:
             self._reissue_locked(lease, "leases_expired_timeout")
 
     def _drop_actor_locked(self, actor: ActorInfo, counter: str) -> int:

@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 RECEIVER_POLL_S = 0.05
 """How often the receiver thread checks for stop while idle, in seconds."""
+RECEIVE_BURST = 64
+"""Messages handled per poll before checking for stop and buffer space again."""
 
 
 class ReplayBuffer:
@@ -57,7 +59,9 @@ class ReplayBuffer:
         self.max_groups = max_groups
         self.filter = dynamic_filter
         self._groups: deque[TrajectoryGroup] = deque()
-        self._cond = threading.Condition()
+        self._cond = threading.Condition()  # guards _groups, the filter, _stalled, _want
+        self._count_cond = threading.Condition()  # guards counts; separate so counting wakes no consumer
+        self._want = 0  # groups the waiting consumer needs before it is worth waking (0 = none waits)
         self._stalled: DynamicSamplingStalled | None = None
         self._closed = False
         self.counts: dict[str, int] = {}
@@ -66,14 +70,14 @@ class ReplayBuffer:
         self.last_filter_stats: FilterStats | None = None
 
     def count(self, name: str, n: int = 1) -> None:
-        with self._cond:
+        with self._count_cond:
             self.counts[name] = self.counts.get(name, 0) + n
-            self._cond.notify_all()
+            self._count_cond.notify_all()
 
     def wait_until(self, predicate: Callable[[dict[str, int]], bool], timeout_s: float) -> bool:
         """Block until ``predicate(counts)`` holds (True) or ``timeout_s`` passes (False)."""
-        with self._cond:
-            return self._cond.wait_for(lambda: predicate(self.counts), timeout_s)
+        with self._count_cond:
+            return self._count_cond.wait_for(lambda: predicate(self.counts), timeout_s)
 
     @property
     def depth(self) -> int:
@@ -104,13 +108,14 @@ class ReplayBuffer:
                 self._cond.notify_all()
             if not keep:
                 coord.drop_filtered(group.prompt_id)
-                self.counts["filtered"] = self.counts.get("filtered", 0) + 1
-                return "filtered"
-            self._groups.append(group)
-            self.counts["accepted"] = self.counts.get("accepted", 0) + 1
-            self.max_depth_groups = max(self.max_depth_groups, len(self._groups))
-            self._cond.notify_all()
-        return ""
+            else:
+                self._groups.append(group)
+                self.max_depth_groups = max(self.max_depth_groups, len(self._groups))
+                # Wake the consumer once it can fill its batch, not on every group.
+                if self._want and len(self._groups) >= self._want:
+                    self._cond.notify_all()
+        self.count("accepted" if keep else "filtered")
+        return "" if keep else "filtered"
 
     def take_batch(self, timeout_s: float) -> list[TrajectoryGroup]:
         """N groups no older than k versions at the coordinator's current version; raises
@@ -127,8 +132,7 @@ class ReplayBuffer:
                     group = self._groups.popleft()
                     if self.coordinator.version - group.min_version > self.max_staleness_steps:
                         self.coordinator.requeue_stale(group.prompt_id)
-                        self.counts["dropped/stale_at_consumption"] = self.counts.get(
-                            "dropped/stale_at_consumption", 0) + 1
+                        self.count("dropped/stale_at_consumption")
                         # keep the filter's "kept, not yet batched" count equal to what is held
                         self.filter.pending_groups -= 1
                         self._cond.notify_all()
@@ -142,7 +146,9 @@ class ReplayBuffer:
                         f"replay queue: {len(batch)}/{self.num_groups_per_batch} groups after {timeout_s:.1f} s "
                         f"(counters {self.counts}); are actors running and registered? see the coordinator "
                         f"Status for leases and denials, or raise learner.batch_wait_timeout_s")
+                self._want = self.num_groups_per_batch - len(batch)
                 self._cond.wait(remaining)
+                self._want = 0
             version = self.coordinator.version
             for group in batch:
                 staleness = version - group.min_version
@@ -163,11 +169,12 @@ class ReplayBuffer:
         return reason
 
     def snapshot(self) -> dict[str, float]:
-        with self._cond:
+        with self._count_cond:
             out: dict[str, float] = {k: float(v) for k, v in self.counts.items()}
+        with self._cond:
             out["depth_groups"] = float(len(self._groups))
             out["max_depth_groups"] = float(self.max_depth_groups)
-            kept, filtered = self.counts.get("accepted", 0), self.counts.get("filtered", 0)
+            kept, filtered = out.get("accepted", 0.0), out.get("filtered", 0.0)
             out["filtered_fraction"] = filtered / (kept + filtered) if kept + filtered else 0.0
             for staleness, n in self.staleness_hist.items():
                 out[f"staleness/{staleness}"] = float(n)
@@ -259,20 +266,30 @@ class ReplayQueue:
                     continue
                 if not poller.poll(int(RECEIVER_POLL_S * 1000)):
                     continue
-                self._ingest(self._recv_message(sock))
+                # Drain what is there without polling again (the poll costs a syscall per message).
+                for _ in range(RECEIVE_BURST):
+                    frames = self._recv_message(sock)
+                    if frames is None:
+                        break
+                    self._ingest(frames)
+                    if self.buffer.depth >= self.buffer.max_groups:
+                        break
         finally:
             sock.close(linger=0)
 
-    def _recv_message(self, sock: zmq.Socket) -> list[bytes]:
-        """All parts of one message; parts beyond NUM_FRAMES + 1 are discarded on arrival so a
-        sender cannot make us hold a list of millions of frames."""
-        frames: list[bytes] = []
-        while True:
-            part = sock.recv(copy=True)
+    def _recv_message(self, sock: zmq.Socket) -> list[bytes] | None:
+        """All parts of one message (None when none is waiting); parts beyond NUM_FRAMES + 1 are
+        discarded on arrival so a sender cannot make us hold a list of millions of frames.
+        ZMQ delivers multipart messages atomically: once the first part is here, all are."""
+        try:
+            frames = [sock.recv(zmq.NOBLOCK)]
+        except zmq.Again:
+            return None
+        while sock.getsockopt(zmq.RCVMORE):
+            part = sock.recv()
             if len(frames) <= NUM_FRAMES:
                 frames.append(part)
-            if not sock.getsockopt(zmq.RCVMORE):
-                return frames
+        return frames
 
     def _ingest(self, frames: Sequence[bytes]) -> None:
         buf = self.buffer

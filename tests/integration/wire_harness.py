@@ -61,7 +61,7 @@ class Learner:
 
 def spawn_sim(target: str, name: str, *args: str, token: str = TOKEN, capture: bool = False) -> subprocess.Popen:
     """Start a simulated actor; ``capture`` pipes its stdout (then read it, or the pipe fills)."""
-    cmd = [sys.executable, "-m", "tests.integration.sim_actor", "--target", target, "--token", token, "--name", name, *args]
+    cmd = [sys.executable, "-m", "tests.integration.wire_sim_actor", "--target", target, "--token", token, "--name", name, *args]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE if capture else subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
