@@ -1,0 +1,466 @@
+"""``dapo eval MODEL DATA``: avg@k and pass@k of a model on a verl-format dataset, with vLLM.
+
+::
+
+    rows (dapo.data, deduplicated)  --render (same as training)-->  prompt ids
+        --vllm.LLM.generate(n=k, T, top_p)-->  k samples per prompt
+        --decode--> text  --actors.verifier (worker process, per-call deadline)-->  acc
+        --> avg@k, pass@k, pass@1, per data_source, lengths, truncation  --> table + JSON
+
+The paper's protocol (DAPO §4.1): avg@32 at temperature 1.0, top_p 0.7, i.e. the mean accuracy
+over 32 samples of every prompt. pass@k is the unbiased estimator of Chen et al. (2021,
+"Evaluating Large Language Models Trained on Code", Eq. 1) over the n = k samples drawn, so it is
+the fraction of prompts with at least one correct sample; pass@1 from the same samples equals
+avg@k when every prompt has k samples (both are reported so that either convention can be read).
+
+Sampling settings come from the flags, not from the config's ``actor.*`` group (eval defaults
+differ from training's: top_p 0.7, k 32); Hydra overrides set the model-, data- and run-level
+keys (``data.max_prompt_tokens``, ``data.builtin_num_eval_prompts``, ``run.cache_dir``,
+``actor.verifier_timeout_s``, ...).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dapo.runtime import apply_service_env
+
+log = logging.getLogger("dapo.eval")
+
+DEFAULT_SAMPLES_PER_BATCH = 512
+"""Prompts go to vLLM in batches of about this many samples (prompts x k): large enough to keep
+the engine busy, small enough for the progress bar to move."""
+
+# Overrides whose meaning a flag owns here: setting them would silently do nothing.
+_FLAG_OWNED_KEYS = {
+    "actor.temperature": "--temperature", "actor.top_p": "--top-p",
+    "actor.max_response_tokens": "--max-response-tokens", "actor.seed": "--seed",
+    "algorithm.num_samples_per_prompt": "--k", "model.path": "MODEL", "data.eval_path": "DATA",
+    "data.prompt_template": "--prompt-template", "model.dtype": "--dtype",
+}
+
+
+# -- metrics (pure) ----------------------------------------------------------------------------
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``n`` samples of which ``c`` are correct: 1 - C(n-c, k) / C(n, k).
+
+    The product form avoids huge binomials (Chen et al. 2021, Fig. 3).
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:  # every k-subset contains a correct sample
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+@dataclass
+class PromptResult:
+    """What eval keeps of one prompt's k samples."""
+
+    prompt_id: int
+    data_source: str
+    ground_truth: str
+    acc: list[bool]
+    """Per sample: the verifier judged it correct."""
+    length_tokens: list[int]
+    """Per sample: response length, stop token included."""
+    truncated: list[bool]
+    """Per sample: generation hit --max-response-tokens (finish reason ``length``)."""
+    preds: list[str]
+    """Per sample: the extracted answer (``[INVALID]`` when none)."""
+    responses: list[str] | None = None
+    """Per sample: the decoded text (only with --save-responses)."""
+
+
+def summarize(results: list[PromptResult], k: int) -> dict[str, Any]:
+    """avg@k, pass@k, pass@1, mean length, truncation rate over ``results`` (k samples each)."""
+    if not results:
+        raise ValueError("no prompts to summarize")
+    num_samples = sum(len(r.acc) for r in results)
+    lengths = [n for r in results for n in r.length_tokens]
+    return {
+        "num_prompts": len(results),
+        "num_samples": num_samples,
+        "avg@k": sum(sum(r.acc) for r in results) / num_samples,
+        "pass@k": sum(pass_at_k(len(r.acc), sum(r.acc), k) for r in results) / len(results),
+        "pass@1": sum(pass_at_k(len(r.acc), sum(r.acc), 1) for r in results) / len(results),
+        "mean_response_length_tokens": sum(lengths) / num_samples,
+        "max_response_length_tokens": max(lengths),
+        "truncation_rate": sum(sum(r.truncated) for r in results) / num_samples,
+    }
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The human-readable table: one row for all prompts, one per data_source."""
+    k = report["k"]
+    head = (f"{'data_source':<24} {'prompts':>7} {'samples':>8} {f'avg@{k}':>8} {f'pass@{k}':>8} "
+            f"{'pass@1':>8} {'len_tok':>8} {'trunc':>6}")
+    rows = [("all", report["overall"])] + sorted(report["by_data_source"].items())
+    lines = [head, "-" * len(head)]
+    for name, m in rows:
+        lines.append(f"{name[:24]:<24} {m['num_prompts']:>7} {m['num_samples']:>8} {m['avg@k']:>8.4f} "
+                     f"{m['pass@k']:>8.4f} {m['pass@1']:>8.4f} {m['mean_response_length_tokens']:>8.1f} "
+                     f"{m['truncation_rate']:>6.3f}")
+    errors = report["verifier"]
+    lines.append(f"verifier errors: {errors['errors']} ({errors['timeouts']} timeouts) of {errors['calls']} calls; "
+                 f"generation {report['time_s']['generate']:.1f}s, "
+                 f"{report['throughput_tokens_per_s']:.0f} response tokens/s")
+    return "\n".join(lines)
+
+
+# -- arguments ---------------------------------------------------------------------------------
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="dapo eval",
+        description="Evaluate MODEL on DATA: k samples per prompt with vLLM, scored by the project's "
+                    "verifier; reports avg@k (mean accuracy over all samples, the DAPO paper's metric), "
+                    "pass@k (unbiased, n = k: a prompt counts when any sample is correct), pass@1, a "
+                    "per-data_source breakdown, mean response length, truncation rate and verifier errors.",
+        epilog="Examples:\n"
+               "  dapo eval builtin:tiny builtin --k 8\n"
+               "  dapo eval builtin:tiny /work/shared/data/aime-2024.parquet --k 2 --limit 8\n"
+               "  dapo eval /models/Qwen2.5-Math-7B aime-2024.parquet --k 32 --top-p 0.7 "
+               "--max-response-tokens 3072 --out aime.json\n"
+               "Hydra overrides after the flags set model/data/run keys, e.g. data.max_prompt_tokens=1024 "
+               "run.cache_dir=.cache/dapo actor.verifier_timeout_s=5 (see dapo/config.py).",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", metavar="MODEL",
+                        help="HF model folder (with config.json), or builtin:tiny (the embedded tiny model)")
+    parser.add_argument("data", metavar="DATA",
+                        help="verl-format .parquet or .jsonl (data_source, prompt, reward_model.ground_truth), "
+                             "or `builtin` (the built-in task's held-out split)")
+    parser.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="Hydra config overrides (key=value)")
+    parser.add_argument("--k", type=int, default=32, help="samples per prompt (default 32: avg@32)")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
+    parser.add_argument("--top-p", type=float, default=0.7, help="nucleus sampling threshold (default 0.7)")
+    parser.add_argument("--max-response-tokens", type=int, default=None,
+                        help="generation limit per sample, in tokens (default: the config's "
+                             "actor.max_response_tokens, the training limit)")
+    parser.add_argument("--prompt-template", choices=("auto", "chat", "dapo", "raw"), default="auto",
+                        help="how rows become prompts, as in training: chat (tokenizer chat template), dapo "
+                             "(the DAPO math instruction around the problem, then chat), raw (message text as is), "
+                             "auto (chat, as training's default). Default auto; see dapo/data.py")
+    parser.add_argument("--limit", type=int, default=None, metavar="ROWS",
+                        help="evaluate only the first ROWS prompts (after deduplication)")
+    parser.add_argument("--skip-long-prompts", action="store_true",
+                        help="evaluate the prompts that fit and list the others in the report, instead of "
+                             "stopping with an error when a prompt plus --max-response-tokens exceeds the "
+                             "model's context (prompts are never truncated)")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                        help="vLLM dtype (default auto: the model config's torch_dtype, float32 when unset)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses a seed derived from "
+                                                            "it and i: results do not depend on batching)")
+    parser.add_argument("--samples-per-batch", type=int, default=DEFAULT_SAMPLES_PER_BATCH,
+                        help=f"samples (prompts x k) per vLLM call (default {DEFAULT_SAMPLES_PER_BATCH})")
+    parser.add_argument("--out", type=Path, default=None, metavar="FILE.json", help="write the report as JSON")
+    parser.add_argument("--save-responses", action="store_true",
+                        help="include every decoded response in the JSON's per_prompt entries")
+    args = parser.parse_intermixed_args(argv)
+    for name in ("k", "max_response_tokens", "limit", "samples_per_batch"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.temperature <= 0:
+        parser.error(f"--temperature must be > 0 (sampling), got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    for override in args.overrides:
+        key = override.split("=", 1)[0].lstrip("+~")
+        if "=" not in override:
+            parser.error(f"{override!r} is neither a flag nor a key=value override; see --help")
+        if key in _FLAG_OWNED_KEYS:
+            parser.error(f"override {override!r} has no effect in dapo eval: use {_FLAG_OWNED_KEYS[key]}")
+    return args
+
+
+# -- inputs ------------------------------------------------------------------------------------
+@dataclass
+class EvalPrompt:
+    prompt_id: int
+    """Row index in the (deduplicated) dataset, as in training."""
+    data_source: str
+    ground_truth: str
+    prompt_ids: list[int]
+
+
+def load_prompts(data: str, cfg: Any, tokenizer: Any, template: str) -> list[EvalPrompt]:
+    """The dataset's rows rendered into prompt ids exactly as training renders them
+    (``dapo.data.PromptDataset``; ``builtin`` is the built-in task's held-out split)."""
+    from dapo.data import PromptDataset, rows_for
+
+    # max_prompt_tokens=None: eval never drops a prompt silently; ``fit_prompts`` decides.
+    dataset = PromptDataset(rows_for(data, "eval", cfg), tokenizer, template=template,
+                            dedup=cfg.data.dedup_by_prompt, max_prompt_tokens=None)
+    if dataset.duplicates_dropped:
+        log.info("%s: %d duplicate prompts dropped (data.dedup_by_prompt=true)", data, dataset.duplicates_dropped)
+    return [EvalPrompt(p.prompt_id, p.data_source, p.ground_truth, p.prompt_token_ids)
+            for p in (dataset[i] for i in range(len(dataset)))]
+
+
+def check_data_path(data: str) -> None:
+    """Fail fast (before any model loads) on a DATA argument that cannot be read."""
+    if data == "builtin":
+        return
+    path = Path(data)
+    if not path.is_file():
+        raise ValueError(f"DATA {data!r} is not a file: pass a verl-format .parquet or .jsonl file, or "
+                         "`builtin` for the built-in task's held-out split.")
+    if path.suffix not in (".parquet", ".jsonl"):
+        raise ValueError(f"DATA {data!r} has suffix {path.suffix!r}: expected .parquet or .jsonl "
+                         "(verl format), or `builtin`.")
+
+
+def check_data_sources(prompts: list[EvalPrompt], data: str) -> None:
+    """Fail before any generation when a row's data_source has no verifier."""
+    from dapo import rewards
+
+    counts: dict[str, int] = {}
+    for p in prompts:
+        counts[p.data_source] = counts.get(p.data_source, 0) + 1
+    unknown = []
+    for source, count in sorted(counts.items()):
+        try:
+            rewards.verifier_for(source)
+        except ValueError:
+            unknown.append(f"{source!r} ({count} rows)")
+    if unknown:
+        raise ValueError(f"{data}: no verifier for data_source {', '.join(unknown)}; known sources are "
+                         f"{rewards.known_sources()}. Fix the data_source column of the dataset, or add a "
+                         "verifier in dapo/rewards.py.")
+
+
+def model_dtype(model_path: Path, requested: str) -> str:
+    """``requested``, or for ``auto`` the dtype the model was saved in (config.json)."""
+    if requested != "auto":
+        return requested
+    config = json.loads((model_path / "config.json").read_text())
+    # transformers 5 writes "dtype", older versions "torch_dtype"; neither means float32.
+    saved = next((config[key] for key in ("dtype", "torch_dtype") if key in config and config[key]), "float32")
+    if saved not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"{model_path}/config.json declares dtype {saved!r}; pass --dtype float32, "
+                         "bfloat16 or float16 explicitly.")
+    return saved
+
+
+def context_limit_tokens(model_path: Path) -> int:
+    """Longest sequence (prompt + response) the model supports, from its config.json."""
+    config = json.loads((model_path / "config.json").read_text())
+    if "max_position_embeddings" not in config:
+        raise ValueError(f"{model_path}/config.json has no max_position_embeddings: cannot tell how long a "
+                         "prompt plus response may be. Add it to the model's config.json.")
+    return int(config["max_position_embeddings"])
+
+
+def fit_prompts(prompts: list[EvalPrompt], limit_tokens: int, max_response_tokens: int,
+                skip_long: bool) -> tuple[list[EvalPrompt], list[int]]:
+    """(prompts that fit with a full-length response, ids of the ones skipped).
+
+    Eval never truncates a prompt (it would be a different problem) and, by default, never
+    drops one (the score would be over a different set): too-long prompts are an error unless
+    ``skip_long``.
+    """
+    room = limit_tokens - max_response_tokens
+    too_long = [p for p in prompts if len(p.prompt_ids) > room]
+    if too_long and not skip_long:
+        longest = max(len(p.prompt_ids) for p in too_long)
+        raise ValueError(
+            f"{len(too_long)} of {len(prompts)} prompts do not fit: the model supports {limit_tokens} tokens "
+            f"(max_position_embeddings) and --max-response-tokens {max_response_tokens} leaves {room} for the "
+            f"prompt, but the longest prompt has {longest} tokens (prompt ids {[p.prompt_id for p in too_long][:10]}"
+            f"{' ...' if len(too_long) > 10 else ''}). Lower --max-response-tokens, or pass --skip-long-prompts "
+            "to evaluate the others (the report lists the skipped ids).")
+    kept = [p for p in prompts if len(p.prompt_ids) <= room]
+    if not kept:
+        raise ValueError(f"no prompt fits in {room} tokens ({limit_tokens} - --max-response-tokens "
+                         f"{max_response_tokens}); lower --max-response-tokens.")
+    return kept, [p.prompt_id for p in too_long]
+
+
+# -- generation and scoring --------------------------------------------------------------------
+@dataclass
+class EvalSample:
+    token_ids: list[int]
+    """Response token ids, the stop token included when one was sampled."""
+    finish_reason: str
+    """``stop`` or ``length`` (hit --max-response-tokens)."""
+
+
+class EvalSampler:
+    """In-process ``vllm.LLM`` with the actor engine's settings (``actors/engines/vllm_engine.py``:
+    ``enforce_eager``, ids in and out, prefix caching, the model's stop ids), minus what eval does
+    not need (per-token log-probs, weight reloads).
+
+    Not ``VllmEngine`` itself because that one cannot take long prompts on CPU: with chunked
+    prefill (vLLM's default) a step whose prompts exceed ``max_num_batched_tokens`` (4096 on
+    CPU) splits a seeded request's prefill, and vLLM then rewinds the request's generator,
+    which a CPU generator cannot do (``RuntimeError: CPU Generator does not use offset``;
+    AIME prompts x 32 samples hit it at once). Eval therefore disables chunked prefill on CPU.
+    """
+
+    def __init__(self, model_path: Path, *, dtype: str, max_model_len_tokens: int, seed: int) -> None:
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        from actors.engines.base import stop_token_ids
+
+        self._stop_ids = stop_token_ids(str(model_path))
+        extra: dict[str, Any] = {}
+        if current_platform.is_cpu():
+            extra = {"enable_chunked_prefill": False,
+                     "max_num_batched_tokens": max(max_model_len_tokens, 4096)}
+        self._llm = LLM(model=str(model_path), dtype=dtype, max_model_len=max_model_len_tokens, enforce_eager=True,
+                        seed=seed, skip_tokenizer_init=True, enable_prefix_caching=True, **extra)
+
+    def generate(self, prompt_ids: list[list[int]], *, n: int, max_tokens: int, temperature: float, top_p: float,
+                 seeds: list[int]) -> list[list[EvalSample]]:
+        """``n`` samples per prompt; prompt i samples with ``seeds[i]``."""
+        from vllm import SamplingParams
+
+        params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                 seed=seed % (2**31), detokenize=False, stop_token_ids=self._stop_ids)
+                  for seed in seeds]
+        outs = self._llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
+        return [[EvalSample(list(c.token_ids), "length" if c.finish_reason == "length" else "stop")
+                 for c in out.outputs] for out in outs]
+
+    def close(self) -> None:
+        self._llm.llm_engine.engine_core.shutdown()
+        del self._llm
+
+
+def run_eval(args: argparse.Namespace) -> dict[str, Any]:
+    """Load, generate, score; returns the report (see ``summarize`` for the metric keys)."""
+    from dataclasses import replace
+
+    from transformers import AutoTokenizer
+    from tqdm import tqdm
+
+    from actors.verifier import Verifier
+    from dapo.config import load_config
+    from dapo.tiny import resolve_model_path
+
+    t_start = time.perf_counter()
+    check_data_path(args.data)
+    cfg = load_config(args.overrides)
+    cfg.model = replace(cfg.model, path=args.model)  # re-validates the model group
+    model_path = resolve_model_path(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    max_response_tokens = args.max_response_tokens or cfg.actor.max_response_tokens
+    prompts = load_prompts(args.data, cfg, tokenizer, args.prompt_template)
+    if args.limit is not None:
+        prompts = prompts[:args.limit]
+    check_data_sources(prompts, args.data)
+    limit_tokens = context_limit_tokens(model_path)
+    prompts, skipped = fit_prompts(prompts, limit_tokens, max_response_tokens, args.skip_long_prompts)
+    if skipped:
+        log.warning("skipped %d prompts longer than %d tokens (ids %s): the report covers the other %d",
+                    len(skipped), limit_tokens - max_response_tokens, skipped, len(prompts))
+    dtype = model_dtype(model_path, args.dtype)
+    # A context no longer than needed: vLLM reserves KV cache for one full-length sequence.
+    max_model_len = max(len(p.prompt_ids) for p in prompts) + max_response_tokens
+
+    t_load = time.perf_counter()
+    sampler = EvalSampler(model_path, dtype=dtype, max_model_len_tokens=max_model_len, seed=args.seed)
+    verifier = Verifier(cfg.actor.verifier_timeout_s)
+    results: list[PromptResult] = []
+    generate_s = score_s = 0.0
+    prompts_per_batch = max(1, args.samples_per_batch // args.k)
+    t_gen = time.perf_counter()
+    try:
+        with tqdm(total=len(prompts), desc="eval", unit="prompt", file=sys.stderr) as bar:
+            for start in range(0, len(prompts), prompts_per_batch):
+                batch = prompts[start:start + prompts_per_batch]
+                t0 = time.perf_counter()
+                # A seed per prompt position: results do not depend on the batch size.
+                groups = sampler.generate([p.prompt_ids for p in batch], n=args.k, max_tokens=max_response_tokens,
+                                          temperature=args.temperature, top_p=args.top_p,
+                                          seeds=[args.seed + 7919 * i for i in range(start, start + len(batch))])
+                t1 = time.perf_counter()
+                results += [score_group(verifier, tokenizer, p, group, args.save_responses)
+                            for p, group in zip(batch, groups)]
+                generate_s += t1 - t0
+                score_s += time.perf_counter() - t1
+                bar.update(len(batch))
+                bar.set_postfix(acc=f"{sum(sum(r.acc) for r in results) / (len(results) * args.k):.3f}")
+        verifier_counts = {"calls": verifier.num_calls, "errors": verifier.num_errors,
+                           "timeouts": verifier.num_timeouts}
+    finally:
+        verifier.close()
+        sampler.close()
+    return build_report(args, cfg, model_path, dtype, max_response_tokens, results, skipped, verifier_counts,
+                        {"total": time.perf_counter() - t_start, "load": t_gen - t_load,
+                         "generate": generate_s, "score": score_s})
+
+
+def score_group(verifier: Any, tokenizer: Any, prompt: EvalPrompt, samples: list[EvalSample],
+                keep_text: bool) -> PromptResult:
+    """Decode and verify one prompt's samples."""
+    # skip_special_tokens drops the stop token, as the actor loop does before verifying.
+    texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+    verdicts = verifier.score_many([(prompt.data_source, t, prompt.ground_truth) for t in texts])
+    return PromptResult(prompt.prompt_id, prompt.data_source, prompt.ground_truth,
+                        acc=[v.acc for v in verdicts], length_tokens=[len(s.token_ids) for s in samples],
+                        truncated=[s.finish_reason == "length" for s in samples],
+                        preds=[v.pred for v in verdicts], responses=texts if keep_text else None)
+
+
+def build_report(args: argparse.Namespace, cfg: Any, model_path: Path, dtype: str, max_response_tokens: int,
+                 results: list[PromptResult], skipped: list[int], verifier_counts: dict[str, int],
+                 time_s: dict[str, float]) -> dict[str, Any]:
+    by_source: dict[str, list[PromptResult]] = {}
+    for r in results:
+        by_source.setdefault(r.data_source, []).append(r)
+    total_tokens = sum(n for r in results for n in r.length_tokens)
+    per_prompt = []
+    for r in results:
+        entry = {"prompt_id": r.prompt_id, "data_source": r.data_source, "ground_truth": r.ground_truth,
+                 "num_correct": sum(r.acc), "acc": r.acc, "preds": r.preds, "length_tokens": r.length_tokens,
+                 "truncated": r.truncated}
+        if r.responses is not None:
+            entry["responses"] = r.responses
+        per_prompt.append(entry)
+    return {
+        "model": args.model, "model_path": str(model_path.resolve()), "data": args.data,
+        "k": args.k, "temperature": args.temperature, "top_p": args.top_p,
+        "max_response_tokens": max_response_tokens, "prompt_template": args.prompt_template,
+        "dtype": dtype, "seed": args.seed, "limit": args.limit,
+        "overall": summarize(results, args.k),
+        "by_data_source": {source: summarize(rs, args.k) for source, rs in sorted(by_source.items())},
+        "skipped_prompt_ids": skipped,
+        "verifier": verifier_counts,
+        "time_s": {key: round(value, 3) for key, value in time_s.items()},
+        "throughput_tokens_per_s": total_tokens / max(time_s["generate"], 1e-9),
+        "per_prompt": per_prompt,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    apply_service_env()  # before torch / vllm are imported
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from dapo.config import ConfigError
+
+    try:
+        report = run_eval(args)
+    except (ValueError, FileNotFoundError, ConfigError) as exc:
+        print(f"dapo eval: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    print(format_table(report))
+    if skipped := report["skipped_prompt_ids"]:
+        print(f"WARNING: {len(skipped)} prompts were skipped (too long for the model): {skipped}")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1) + "\n")
+        print(f"report written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
