@@ -122,7 +122,7 @@ def run_collective(sd: dict[str, torch.Tensor], reps: int) -> tuple[list[float],
         version += 1
         m = pub.publish(sd, version=version)
         serialise.append(m["time/serialise_s"])
-        if m.get("collective_members"):
+        if m.get("weights/collective_members"):
             times.append(m["time/collective_transfer_s"])
         else:
             time.sleep(0.05)

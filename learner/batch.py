@@ -98,13 +98,13 @@ def batch_metrics(groups: list[TrajectoryGroup], version: int) -> dict[str, floa
     staleness = np.concatenate([version - g.versions for g in groups]).astype(np.float64)
     truncated = [r == "length" for g in groups for r in g.finish_reasons]
     return {
-        "batch/staleness_mean": float(staleness.mean()), "batch/staleness_max": float(staleness.max()),
-        "batch/response_length_mean_tokens": float(lens.mean()),
-        "batch/response_length_max_tokens": float(lens.max()),
-        "batch/accuracy": float(np.concatenate([g.acc for g in groups]).mean()),
-        "batch/reward_mean": float(np.concatenate([g.rewards for g in groups]).mean()),
-        "batch/truncated_fraction": float(np.mean(truncated)),
-        "batch/num_groups": float(len(groups)), "batch/num_samples": float(lens.size),
+        "staleness/mean_steps": float(staleness.mean()), "staleness/max_steps": float(staleness.max()),
+        "train/response_length_tokens": float(lens.mean()),
+        "train/response_length_max_tokens": float(lens.max()),
+        "train/accuracy": float(np.concatenate([g.acc for g in groups]).mean()),
+        "train/reward": float(np.concatenate([g.rewards for g in groups]).mean()),
+        "train/truncated_fraction": float(np.mean(truncated)),
+        "train/num_groups": float(len(groups)), "train/num_samples": float(lens.size),
     }
 
 
@@ -284,7 +284,7 @@ def scatter_batch(batch: SampleBatch | None, *, num_minibatches: int, max_tokens
             parts.append((int(sel.numel()), *_shard_tensors(batch, sel, minibatch, micro)))
         max_i = max(p[1].numel() for p in parts)
         max_f = max(p[2].numel() for p in parts)
-        headers = [torch.tensor([n, max_i, max_f, num_micro], dtype=torch.int64, device=device) for n, _, _, _ in parts]
+        headers = [torch.tensor([n, max_i, max_f, num_micro], dtype=torch.int64, device=device) for n, _, _ in parts]
         dist.scatter(header, headers, src=0)
         ints = torch.zeros(max_i, dtype=torch.int64, device=device)
         floats = torch.zeros(max_f, dtype=torch.float32, device=device)

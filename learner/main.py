@@ -19,9 +19,25 @@ from learner import checkpoint, loop  # noqa: E402
 from learner.trainer import Trainer, TrainerSettings  # noqa: E402
 
 
+class _Source:
+    """dapo.data.PromptDataset as the coordinator's PromptSource (``get(i) -> (ids, source, truth)``)."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def get(self, index: int) -> tuple[list[int], str, str]:
+        p = self.dataset[index]
+        return p.prompt_token_ids, p.data_source, p.ground_truth
+
+
 def start_services(cfg: DapoConfig, model_path: Path, coordinator_state: dict | None) -> loop.Rank0Services:
     """Rank 0: coordinator (+ its checkpointed state), replay queue, gRPC service, weight publisher."""
-    from dapo.data import PromptDataset
+    from transformers import AutoTokenizer
+
+    from dapo.data import build_dataset
     from learner.coordinator import Coordinator
     from learner.metrics import MetricsLogger
     from learner.publisher import WeightPublisher
@@ -29,7 +45,7 @@ def start_services(cfg: DapoConfig, model_path: Path, coordinator_state: dict | 
     from learner.service import serve_coordinator
 
     t = cfg.transport
-    coordinator = Coordinator.from_config(cfg, PromptDataset.from_config(cfg, model_path))
+    coordinator = Coordinator.from_config(cfg, _Source(build_dataset(cfg, "train", AutoTokenizer.from_pretrained(model_path))))
     if coordinator_state is not None:
         coordinator.load_state_dict(coordinator_state)
     replay = ReplayQueue(cfg, coordinator)

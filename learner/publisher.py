@@ -231,7 +231,7 @@ class CollectiveBroadcaster:
         for m in joins:
             self.store.set(f"join/{m.ticket}/sync", str(s))
         if not self.members:
-            return {"collective_members": 0.0}
+            return {"weights/collective_members": 0.0}
         if self._rebuild:
             self.generation += 1
         self.store.set(f"manifest/{manifest.version}", manifest.to_json())
@@ -258,7 +258,7 @@ class CollectiveBroadcaster:
                 f"(timeout {self.timeout_s} s): {exc}. A member died or stalled; all members must "
                 f"rejoin (actors do this automatically) — or use transport.weight_path=network.") from exc
         t2 = time.perf_counter()
-        return {"collective_members": float(len(names)), "time/collective_group_s": t1 - t0,
+        return {"weights/collective_members": float(len(names)), "time/collective_group_s": t1 - t0,
                 "time/collective_transfer_s": t2 - t1}
 
     def acks(self, sync_index: int) -> dict[str, dict]:

@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-s", type=float, default=300.0)
+    ap.add_argument("--save-final", default="", help="save the last network-fetched weights (safetensors)")
     args = ap.parse_args()
     rng = np.random.default_rng(args.seed)
     out = open(args.out, "a", buffering=1)
@@ -101,8 +102,14 @@ def main() -> None:
                 break
             if args.weight_path == "network" and hb.latest_version > state["version"]:
                 try:
-                    version, _, stats = net.fetch(actor_id)
+                    version, weights, stats = net.fetch(actor_id)
                     state["version"] = version
+                    if args.save_final:
+                        from safetensors.torch import save_file
+
+                        save_file({k: v.clone() for k, v in weights.items()}, args.save_final + ".tmp",
+                                  metadata={"version": str(version)})
+                        os.replace(args.save_final + ".tmp", args.save_final)
                     log("network", version, stats)
                 except grpc.RpcError:
                     pass  # nothing published yet (UNAVAILABLE)

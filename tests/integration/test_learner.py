@@ -52,7 +52,7 @@ def test_peer_dying_mid_collective_sync_gives_a_clear_error_within_the_timeout()
     try:
         version, m = 0, {}
         deadline = time.monotonic() + 60
-        while not m.get("collective_members"):  # until a publish picks up the join and syncs it
+        while not m.get("weights/collective_members"):  # until a publish picks up the join and syncs it
             assert time.monotonic() < deadline, "the actor never joined"
             version += 1
             m = pub.publish(sd, version=version)
@@ -73,3 +73,173 @@ def test_peer_dying_mid_collective_sync_gives_a_clear_error_within_the_timeout()
     finally:
         kill_group(proc)
         pub.close()
+
+
+# ---------------------------------------------------------------- a real 2-rank learner
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """The embedded tiny architecture and tokenizer, randomly initialised (no warm start: fast)."""
+    from dapo.tiny import build_model, build_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny")
+    tok = build_tokenizer()
+    build_model(tok, seed=0).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+class Learner:
+    """``python -m learner`` (torchrun, 2 ranks) in its own process group, on free loopback ports."""
+
+    def __init__(self, tmp: Path, model: Path, *overrides: str, name: str = "learner") -> None:
+        self.port = free_port()
+        self.grpc = f"127.0.0.1:{self.port}"
+        self.collective_port = free_port()
+        self.run_dir = tmp / "run"
+        self.log = tmp / f"{name}.log"
+        cfg = [f"model.path={model}", f"run.run_dir={self.run_dir}", "learner.num_ranks=2",
+               f"transport.grpc_port={self.port}", f"transport.zmq_port={free_port()}",
+               f"transport.weight_port={free_port()}", f"transport.collective_port={self.collective_port}",
+               f"transport.auth_token={TOKEN}", "algorithm.num_prompts_per_step=2",
+               "algorithm.num_samples_per_prompt=4", "algorithm.num_minibatches_per_step=2",
+               "data.builtin_num_train_prompts=200", "learner.collective_timeout_s=60", *overrides]
+        self.proc = subprocess.Popen([sys.executable, "-m", "learner", *cfg], cwd=ROOT, stdout=open(self.log, "w"),
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+
+    def actor(self, tmp: Path, name: str, *flags: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(HERE / "sim_actor.py"), "--learner", self.grpc, "--token", TOKEN,
+                                 "--out", str(tmp / f"{name}.jsonl"), "--max-s", "150", *flags], cwd=ROOT,
+                                stdout=open(tmp / f"{name}.log", "w"), stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+    def metrics(self) -> list[dict]:
+        from dapo.plots import read_metrics
+
+        path = self.run_dir / "metrics.jsonl"
+        return read_metrics(path) if path.exists() else []
+
+    def wait(self, timeout_s: float) -> int:
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            kill_group(self.proc)
+            raise AssertionError(f"learner did not finish in {timeout_s} s; log:\n{self.log.read_text()[-3000:]}")
+
+
+def _lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _hf_logprobs(model, seqs: list[list[int]]) -> list[list[float]]:
+    out = []
+    with torch.no_grad():
+        for s in seqs:
+            ids = torch.tensor([s])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), -1)
+            out.append(logp.gather(-1, ids[0, 1:, None]).squeeze(-1).tolist())
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_two_rank_learner_trains_publishes_on_both_paths_and_exports(tmp_path, tiny_model_dir):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    learner = Learner(tmp_path, tiny_model_dir, "transport.weight_path=collective", "learner.total_steps=4",
+                      "learner.checkpoint_every_steps=2")
+    final = tmp_path / "final.safetensors"
+    actors = [learner.actor(tmp_path, "net", "--corrupt-first-fetch", "--save-final", str(final)),
+              learner.actor(tmp_path, "coll", "--weight-path", "collective", "--collective-port",
+                            str(learner.collective_port), "--corrupt-first-fetch")]
+    try:
+        assert learner.wait(240) == 0, learner.log.read_text()[-3000:]
+    finally:
+        for a in actors:
+            kill_group(a)
+    steps = [r["step"] for r in learner.metrics()]
+    assert steps == [1, 2, 3, 4]
+    assert all(r["train/loss_tokens"] > 0 and r["weights/bytes"] > 0 for r in learner.metrics())
+    net, coll = _lines(tmp_path / "net.jsonl"), _lines(tmp_path / "coll.jsonl")
+    assert [r["version"] for r in net] == sorted({r["version"] for r in net}) and net[-1]["version"] == 4
+    assert net[0]["refetched"] == 1 and all(r["refetched"] == 0 for r in net[1:])  # corrupted chunk repaired
+    coll_loads = [r for r in coll if "version" in r]
+    assert coll_loads and coll_loads[-1]["version"] == 4 and not [r for r in coll if "error" in r]
+    assert [r["refetched"] for r in coll_loads].count(1) == 1
+    audit = [p for r in _lines(learner.run_dir / "trained_prompts.jsonl") for p in r["prompt_ids"]]
+    assert len(audit) == 8 and len(set(audit)) == 8
+
+    # Export the last checkpoint: same tensors as the published version 4, same log-probs in
+    # transformers and in vLLM-CPU.
+    out = tmp_path / "hf"
+    subprocess.run([sys.executable, "-m", "learner.export", str(learner.run_dir / "checkpoints" / "step_4"),
+                    str(out)], cwd=ROOT, check=True, timeout=120)
+    published = load_file(final)
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    sd = exported.state_dict()
+    assert "model.embed_tokens.weight" in published
+    for k, v in published.items():
+        assert torch.equal(sd[k], v), k
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    assert not torch.equal(base.state_dict()["model.embed_tokens.weight"], published["model.embed_tokens.weight"])
+    seqs = [[1, 5, 9, 20, 33, 7, 2, 40], [3, 4, 5, 6, 90, 11]]
+    ref = _hf_logprobs(exported, seqs)
+    base.load_state_dict(published, strict=False)
+    for a, b in zip(_hf_logprobs(base, seqs), ref):
+        assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-6
+    (tmp_path / "ids.json").write_text(json.dumps(seqs))
+    subprocess.run([sys.executable, str(HERE / "vllm_logprobs.py"), str(out), str(tmp_path / "ids.json"),
+                    str(tmp_path / "vllm.json")], cwd=ROOT, check=True, timeout=240,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for a, b in zip(json.loads((tmp_path / "vllm.json").read_text()), ref):
+        assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-4, (a, b)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_kill9_mid_run_then_resume_at_the_same_step_with_no_prompt_lost_or_trained_twice(tmp_path, tiny_model_dir):
+    common = ("learner.checkpoint_every_steps=2",)
+    first = Learner(tmp_path, tiny_model_dir, "learner.total_steps=50", *common, name="first")
+    actor = first.actor(tmp_path, "a1")
+    try:
+        deadline = time.monotonic() + 200
+        while not any(r["step"] >= 3 for r in first.metrics()):  # a checkpoint (step 2) plus work after it
+            assert first.proc.poll() is None and time.monotonic() < deadline, first.log.read_text()[-3000:]
+            time.sleep(0.2)
+        kill_group(first.proc)  # kill -9 of torchrun and both ranks
+    finally:
+        kill_group(first.proc)
+        kill_group(actor)
+    from learner.checkpoint import latest_checkpoint
+
+    ckpt = latest_checkpoint(first.run_dir)
+    ckpt_state = json.loads((ckpt / "run_state.json").read_text())
+    k = ckpt_state["step"]
+    assert k >= 2 and ckpt.name == f"step_{k}"
+    before = first.run_dir / "trained_prompts.jsonl"
+    run1 = _lines(before)
+    assert max(r["step"] for r in run1) > k  # work after the checkpoint was lost with the kill
+    before.rename(tmp_path / "run1_trained.jsonl")
+
+    second = Learner(tmp_path, tiny_model_dir, "learner.resume=latest", f"learner.total_steps={k + 3}", *common,
+                     name="second")
+    actor = second.actor(tmp_path, "a2")
+    try:
+        assert second.wait(240) == 0, second.log.read_text()[-3000:]
+    finally:
+        kill_group(actor)
+    assert f"resumed from {ckpt} at step {k}" in second.log.read_text()
+    run2 = _lines(second.run_dir / "trained_prompts.jsonl")
+    assert [r["step"] for r in run2] == [k + 1, k + 2, k + 3]  # same step
+    effective = [p for r in run1 if r["step"] <= k for p in r["prompt_ids"]] + \
+                [p for r in run2 for p in r["prompt_ids"]]
+    assert len(effective) == len(set(effective))  # nothing trained twice
+    final = json.loads((second.run_dir / "checkpoints" / f"step_{k + 3}" / "run_state.json").read_text())
+    coord = final["coordinator"]
+    assert sorted(coord["trained"]) == sorted(effective)
+    assert sorted(ckpt_state["coordinator"]["trained"]) == sorted(effective[:len(effective) - 3 * 2])
+    # Nothing lost: every prompt the cursor handed out is trained or waiting to be re-issued.
+    assert coord["epoch"] == 0 and len(set(coord["trained"]) | set(coord["pending"])) == coord["position"]
+    assert coord["position"] >= ckpt_state["coordinator"]["position"]

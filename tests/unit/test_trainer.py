@@ -11,7 +11,7 @@ import torch
 
 from dapo.algorithm import policy_loss
 from dapo.config import AlgorithmConfig
-from learner.batch import PackedMicroBatch, SampleBatch, plan, shard_local
+from learner.batch import PackedMicroBatch, SampleBatch, plan, scatter_batch, shard_local
 
 VOCAB = 61
 
@@ -82,8 +82,12 @@ def _worker(rank: int, world: int, init_file: str, budgets: list[int], out_dir: 
     for agg in ("token-mean", "seq-mean-token-mean"):
         for budget in budgets:
             trainer = Trainer(tiny_model(), _settings(agg), torch.device("cpu"))
-            shard = shard_local(batch, num_minibatches=1, world_size=world, rank=rank,
+            # the real path: rank 0 plans and scatters; checked against the local plan
+            shard = scatter_batch(batch if rank == 0 else None, num_minibatches=1, max_tokens_per_microbatch=budget)
+            local = shard_local(batch, num_minibatches=1, world_size=world, rank=rank,
                                 max_tokens_per_microbatch=budget)
+            assert torch.equal(shard.tokens, local.tokens) and torch.equal(shard.loss_mask, local.loss_mask)
+            assert torch.equal(shard.microbatch, local.microbatch) and torch.equal(shard.advantages, local.advantages)
             prox = trainer.recompute_prox(shard)
             sums = dict.fromkeys(("loss", "tokens", "entropy", "clipfrac_high", "clipfrac_low", "dualclip_frac",
                                   "approx_kl_k1", "approx_kl_k3", "importance_weight_mean",

@@ -216,14 +216,14 @@ def test_collective_path_two_versions_and_corruption_repair():
     try:
         # The actor joins asynchronously: publish until a publish picks its join up (and pushes to it).
         version, m = 0, {}
-        while not m.get("collective_members"):
+        while not m.get("weights/collective_members"):
             version += 1
             m = pub.publish(sd, version=version)
             assert "weights/collective_error" not in m, str(pub.last_collective_error)
             th.join(0.05)
         sd2 = {k: v * 2 if v.is_floating_point() else v for k, v in sd.items()}
         m = pub.publish(sd2, version=version + 1)
-        assert m["collective_members"] == 1.0 and "weights/collective_error" not in m
+        assert m["weights/collective_members"] == 1.0 and "weights/collective_error" not in m
         th.join(30)
         assert not errors, errors
         (v1, out1, st1), (v2, out2, st2) = results
