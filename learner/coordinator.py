@@ -212,7 +212,9 @@ class Coordinator:
             # The first binding limit is the reason reported when fewer than asked are granted.
             # Ties go to the earlier entry: an actionable reason (shut down, load weights) first.
             limits = [(num_prompts, ""), (0 if self._shutdown else num_prompts, "shutting_down"),
-                      (0 if weight_version < self._version - k else num_prompts, "weights_too_old"),
+                      # Weights ahead of the version: the learner restarted from a checkpoint.
+                      (0 if not self._version - k <= weight_version <= self._version else num_prompts,
+                       "weights_too_old"),
                       (max(slots, 0), "staleness_bound"), (max(credit, 0), "queue_full")]
             want, denial = min(limits, key=lambda lim: lim[0])
             grants = []

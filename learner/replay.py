@@ -68,10 +68,18 @@ class ReplayBuffer:
         self.staleness_hist: dict[int, int] = {}
         self.max_depth_groups = 0
         self.last_filter_stats: FilterStats | None = None
+        self.last_admit_s = 0.0
+        """time.monotonic() when the last group was held or filtered (for health metrics)."""
 
     def count(self, name: str, n: int = 1) -> None:
         with self._count_cond:
             self.counts[name] = self.counts.get(name, 0) + n
+            self._count_cond.notify_all()
+
+    def count_many(self, **increments: int) -> None:
+        with self._count_cond:
+            for name, n in increments.items():
+                self.counts[name] = self.counts.get(name, 0) + n
             self._count_cond.notify_all()
 
     def wait_until(self, predicate: Callable[[dict[str, int]], bool], timeout_s: float) -> bool:
@@ -96,7 +104,9 @@ class ReplayBuffer:
         if reason:
             return self._drop(reason)
         # From here the lease is complete and the prompt queued: every path must settle it.
-        newest = max(int(group.versions.max()), int(group.version_changes[:, 2].max(initial=0)))
+        newest = int(group.versions.max())
+        if group.version_changes.shape[0]:
+            newest = max(newest, int(group.version_changes[:, 2].max()))
         if newest > coord.version:
             coord.requeue_stale(group.prompt_id)
             return self._drop("future_version")
@@ -114,6 +124,7 @@ class ReplayBuffer:
                 # Wake the consumer once it can fill its batch, not on every group.
                 if self._want and len(self._groups) >= self._want:
                     self._cond.notify_all()
+        self.last_admit_s = time.monotonic()
         self.count("accepted" if keep else "filtered")
         return "" if keep else "filtered"
 
@@ -277,24 +288,25 @@ class ReplayQueue:
         finally:
             sock.close(linger=0)
 
-    def _recv_message(self, sock: zmq.Socket) -> list[bytes] | None:
+    def _recv_message(self, sock: zmq.Socket) -> list[memoryview] | None:
         """All parts of one message (None when none is waiting); parts beyond NUM_FRAMES + 1 are
         discarded on arrival so a sender cannot make us hold a list of millions of frames.
-        ZMQ delivers multipart messages atomically: once the first part is here, all are."""
+        ZMQ delivers multipart messages atomically: once the first part is here, all are.
+        ``copy=False``: the decoded arrays view libzmq's buffers, which its I/O thread filled
+        (no copy, and no fresh Python allocation to page-fault on this thread)."""
         try:
-            frames = [sock.recv(zmq.NOBLOCK)]
+            frames = [sock.recv(zmq.NOBLOCK, copy=False).buffer]
         except zmq.Again:
             return None
         while sock.getsockopt(zmq.RCVMORE):
-            part = sock.recv()
+            part = sock.recv(copy=False).buffer
             if len(frames) <= NUM_FRAMES:
                 frames.append(part)
         return frames
 
-    def _ingest(self, frames: Sequence[bytes]) -> None:
+    def _ingest(self, frames: Sequence[memoryview]) -> None:
         buf = self.buffer
-        buf.count("received_messages")
-        buf.count("received_bytes", sum(len(f) for f in frames))
+        buf.count_many(received_messages=1, received_bytes=sum(f.nbytes for f in frames))
         try:
             group = decode_group(frames, auth_token=self.auth_token, max_message_bytes=self.max_message_bytes)
         except WireError as exc:

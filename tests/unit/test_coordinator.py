@@ -110,6 +110,7 @@ def test_weights_too_old_has_zero_retry() -> None:
     denied = coord.lease(actor, 2, 1)
     assert (denied.leases, denied.denial, denied.retry_after_s, denied.latest_version) == ([], "weights_too_old", 0.0, 3)
     assert len(coord.lease(actor, 2, 2).leases) == 2
+    assert coord.lease(actor, 2, 4).denial == "weights_too_old"  # ahead: learner restarted from a checkpoint
 
 
 def test_queue_credit_bounds_in_flight_plus_queued() -> None:

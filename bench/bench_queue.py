@@ -1,0 +1,222 @@
+"""Replay-queue ingestion rate vs raw ZMQ PUSH/PULL of the same bytes, in the same run.
+
+    .venv/bin/python bench/bench_queue.py [--groups 1500] [--reps 3] [--append bench/RESULTS.md]
+
+A sender process (the "actor") pushes pre-encoded trajectory groups (dapo.wire frames, one
+lease each) as fast as it can. Two receivers, alternating per repetition:
+- raw:   a plain PULL socket, ``recv_multipart()``, nothing else;
+- queue: learner.replay.ReplayQueue (receive thread: decode + validate, complete the lease with a
+         Coordinator, dynamic-sampling filter, buffer) plus a consumer thread calling
+         ``get_batch`` (staleness check, mark trained), as the learner would.
+Time runs from the sender's first send (CLOCK_MONOTONIC is shared between processes) until the
+receiver has handled the last group. Two shapes: the paper-like G=16 x 512 tokens and the tiny
+default G=8 x 48 tokens (per-message overhead dominates there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+import zmq  # noqa: E402
+
+from dapo.wire import TrajectoryGroup, encode_group  # noqa: E402
+
+TOKEN = "bench-token"
+
+
+def build_frames(spec: dict) -> list[list[bytes]]:
+    rng = np.random.default_rng(0)
+    g, mean_len = spec["G"], spec["response_tokens"]
+    out = []
+    for lease_id, prompt_id in spec["leases"]:
+        lengths = rng.integers(mean_len // 2, mean_len * 3 // 2 + 1, size=g).astype(np.int32)
+        total = int(lengths.sum())
+        acc = (np.arange(g) % 2).astype(np.float32)
+        group = TrajectoryGroup(
+            run_id=spec["run_id"], actor_id=spec["actor_id"], lease_id=lease_id, prompt_id=prompt_id,
+            prompt_ids=rng.integers(0, 32000, spec["prompt_tokens"]).astype(np.int32),
+            response_ids=rng.integers(0, 32000, total).astype(np.int32),
+            logprobs=-rng.random(total).astype(np.float32), loss_mask=np.ones(total, np.uint8),
+            response_lengths=lengths, versions=np.zeros(g, np.int64), version_changes=np.zeros((0, 3), np.int64),
+            rewards=acc * 2 - 1, acc=acc, scores=acc, finish_reasons=("stop",) * g)
+        out.append(encode_group(group, TOKEN))
+    return out
+
+
+def sender(spec_path: str, endpoint: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    messages = build_frames(spec)  # encoded before the clock starts: we measure transport + queue
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDTIMEO, 60_000)
+    push.connect(endpoint)
+    print(json.dumps({"t0": time.monotonic()}), flush=True)
+    for frames in messages:
+        push.send_multipart(frames, copy=False)
+    push.close(linger=60_000)
+    ctx.term()
+
+
+def start_sender(spec: dict, endpoint: str, tmp: Path) -> tuple[subprocess.Popen, Path]:
+    path = tmp / "spec.json"
+    path.write_text(json.dumps(spec))
+    proc = subprocess.Popen([sys.executable, __file__, "--role", "sender", "--spec", str(path), "--endpoint", endpoint],
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    return proc, path
+
+
+def sender_t0(proc: subprocess.Popen) -> float:
+    return json.loads(proc.stdout.readline())["t0"]
+
+
+def run_raw(spec: dict, tmp: Path) -> tuple[float, int]:
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVTIMEO, 60_000)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    proc, _ = start_sender(spec, f"tcp://127.0.0.1:{port}", tmp)
+    nbytes = 0
+    for _ in range(len(spec["leases"])):
+        nbytes += sum(len(f) for f in pull.recv_multipart())
+    t1 = time.monotonic()
+    elapsed = t1 - sender_t0(proc)
+    proc.wait(timeout=60)
+    pull.close(linger=0)
+    ctx.term()
+    return elapsed, nbytes
+
+
+def run_queue(args: argparse.Namespace, shape: dict, tmp: Path, *, consume: bool) -> tuple[float, int]:
+    """consume=False: ingestion only (the buffer holds every group); consume=True: a consumer
+    thread takes batches of 16 with get_batch while groups arrive, as the learner does."""
+    from dapo.config import AlgorithmConfig, DapoConfig, TransportConfig
+    from learner.coordinator import Coordinator
+    from learner.replay import ReplayQueue
+
+    n = args.groups
+    cfg = DapoConfig(transport=TransportConfig(host="127.0.0.1", zmq_port=0, auth_token=TOKEN,
+                                               queue_max_groups=256 if consume else n),
+                     algorithm=AlgorithmConfig(num_prompts_per_step=16, num_samples_per_prompt=shape["G"],
+                                               max_staleness_steps=1 << 20))
+
+    class Source:
+        def __len__(self) -> int:
+            return n
+
+        def get(self, index: int) -> tuple[list[int], str, str]:
+            return [1, 2, 3], "bench", ""
+
+    # Lease every group up front (credit = n), so the sender never waits for the coordinator.
+    coord = Coordinator(Source(), num_prompts_per_step=16, max_staleness_steps=1 << 20, queue_max_groups=n,
+                        heartbeat_timeout_s=3600, lease_timeout_s=3600)
+    actor = coord.register("bench")
+    leases = coord.lease(actor, n, 0).leases
+    assert len(leases) == n, coord.counters()
+    spec = dict(shape, run_id=coord.run_id, actor_id=actor, leases=[(g.lease_id, g.prompt_id) for g in leases])
+    queue = ReplayQueue(cfg, coord)
+    endpoint = queue.start()
+    consumed: list = []
+    done_s: list[float] = []
+
+    def consumer() -> None:
+        while len(consumed) < n:
+            consumed.extend(queue.get_batch(timeout_s=60))
+        done_s.append(time.monotonic())
+
+    thread = threading.Thread(target=consumer)
+    if consume:
+        thread.start()
+    proc, _ = start_sender(spec, endpoint, tmp)
+    t0 = sender_t0(proc)
+    if consume:
+        thread.join(timeout=120)
+        t1 = done_s[0]
+    else:
+        # Poll coarsely (no per-message wake-ups that would steal the GIL); the end time is the
+        # receiver's own timestamp of its last admitted group.
+        deadline = time.monotonic() + 120
+        while queue.counters().get("accepted", 0) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        t1 = queue.buffer.last_admit_s
+    counts = queue.counters()
+    proc.wait(timeout=60)
+    queue.close()
+    assert counts["accepted"] == n and (not consume or len(consumed) == n), counts
+    return t1 - t0, int(counts["received_bytes"])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--role", default="bench", choices=["bench", "sender"])
+    p.add_argument("--spec", default="")
+    p.add_argument("--endpoint", default="")
+    p.add_argument("--groups", type=int, default=1504, help="groups per repetition (a multiple of 16)")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--append", default="", help="append a results section to this markdown file")
+    args = p.parse_args()
+    if args.role == "sender":
+        sender(args.spec, args.endpoint)
+        return 0
+    assert args.groups % 16 == 0, "--groups must be a multiple of 16 (the batch size used)"
+    shapes = {"G=16 x 512 tok": dict(G=16, response_tokens=512, prompt_tokens=128),
+              "G=8 x 48 tok": dict(G=8, response_tokens=48, prompt_tokens=32)}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        for label, shape in shapes.items():
+            raw, ingest, learn = [], [], []
+            for _ in range(args.reps):  # interleaved, so load changes hit all three alike
+                spec = dict(shape, run_id="raw", actor_id=1, leases=[(i + 1, i) for i in range(args.groups)])
+                raw.append(run_raw(spec, tmp)[0])
+                ingest.append(run_queue(args, shape, tmp, consume=False)[0])
+                learn.append(run_queue(args, shape, tmp, consume=True)[0])
+            raw_s, ingest_s, learn_s = (statistics.median(x) for x in (raw, ingest, learn))
+            nbytes = run_raw(spec, tmp)[1]
+            row = {"shape": label, "groups": args.groups, "mb_per_group": nbytes / args.groups / 1e6,
+                   "raw_groups_s": args.groups / raw_s, "raw_mb_s": nbytes / raw_s / 1e6,
+                   "queue_groups_s": args.groups / ingest_s, "queue_mb_s": nbytes / ingest_s / 1e6,
+                   "ratio": raw_s / ingest_s, "consumer_groups_s": args.groups / learn_s,
+                   "consumer_ratio": raw_s / learn_s, "load_avg_1m": os.getloadavg()[0]}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.append:
+        append_results(Path(args.append), args, rows)
+    return 0
+
+
+def append_results(path: Path, args: argparse.Namespace, rows: list[dict]) -> None:
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    cmd = f".venv/bin/python bench/bench_queue.py --groups {args.groups} --reps {args.reps} --append {args.append}"
+    lines = [
+        "", "## Replay-queue ingestion (bench/bench_queue.py)", "",
+        f"`{cmd}` — {now}, {platform.node()}, {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, "
+        f"pyzmq {zmq.__version__} / libzmq {zmq.zmq_version()}. Median of {args.reps}; MB = 1e6 bytes; one sender "
+        "process, receiver in the bench process. queue = PULL + decode/validate + lease completion + "
+        "dynamic-sampling filter + get_batch consumer; raw = recv_multipart of the same bytes. Goal: ratio >= 0.5.",
+        "", "| shape | MB/group | raw groups/s | raw MB/s | queue groups/s | queue MB/s | ratio |", "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['mb_per_group']:.3f} | {r['raw_groups_s']:.0f} | {r['raw_mb_s']:.0f} | "
+                     f"{r['queue_groups_s']:.0f} | {r['queue_mb_s']:.0f} | {r['ratio']:.2f} |")
+    with path.open("a") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
