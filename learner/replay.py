@@ -223,6 +223,10 @@ class ReplayQueue:
         sock.setsockopt(zmq.RCVTIMEO, int(self.rpc_timeout_s * 1000))
         secret, public = self.curve_keys
         if secret:
+            if not public:
+                sock.close(linger=0)
+                raise ValueError("transport.curve_server_secret_key is set but transport.curve_server_public_key "
+                                 "is empty: set both (zmq.curve_keypair() gives a pair)")
             sock.curve_secretkey = secret.encode()
             sock.curve_publickey = public.encode()
             sock.curve_server = True

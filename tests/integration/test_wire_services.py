@@ -262,3 +262,26 @@ def test_dead_peers_give_clear_errors_within_the_deadline() -> None:
     ctx.term()
     with pytest.raises(TimeoutError, match="0/4 groups"):
         learner.queue.get_batch(timeout_s=0.2)
+
+
+@pytest.mark.timeout(60)
+def test_curve_encrypted_queue_accepts_a_curve_client() -> None:
+    public, secret = zmq.curve_keypair()
+    cfg = make_cfg(transport=dict(curve_server_secret_key=secret.decode(), curve_server_public_key=public.decode()))
+    learner = Learner(cfg, 10)
+    client = CoordinatorClient(learner.target, TOKEN, timeout_s=5)
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    try:
+        reg = client.register("curve")
+        client_public, client_secret = zmq.curve_keypair()
+        push.curve_serverkey, push.curve_publickey, push.curve_secretkey = public, client_public, client_secret
+        push.connect(reg.zmq_endpoint)
+        lease = client.lease(reg.actor_id, 1, 0).leases[0]
+        push.send_multipart(encode_group(make_group(reg.run_id, reg.actor_id, lease, 0), TOKEN))
+        assert learner.queue.buffer.wait_until(lambda c: c.get("accepted", 0) == 1, timeout_s=10)
+    finally:
+        push.close(linger=0)
+        ctx.term()
+        client.close()
+        learner.close()
