@@ -1,0 +1,244 @@
+"""`dapo run`: a learner and N actors as separate local processes, with a live progress view.
+
+    dapo run [overrides]
+      ├─ builds the embedded tiny model once (model.path=builtin:tiny) so children never race
+      ├─ python -m learner  <config>            (torchrun, W ranks; coordinator + replay queue)
+      ├─ python -m actors --learner H:P <config>   × run.num_actors
+      ├─ tails <run_dir>/metrics.jsonl → progress bar (step, version, accuracy, reward, ...)
+      └─ at the end: stop actors, PNG of the curves, HF export of the final checkpoint
+
+Every child runs in its own session with a parent-death signal, so Ctrl-C (or a kill of this
+process) never leaves orphans: actors get SIGTERM first (they return their leases), then the
+learner (it writes its final checkpoint), then anything left is killed by process group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from dapo.runtime import apply_service_env, service_env
+
+HELP = """\
+Start a learner and run.num_actors actors on this machine and train until learner.total_steps
+(or run.max_wall_time_s, or run.target_accuracy with run.stop_at_target=true).
+Everything after the flags is a Hydra override, e.g.
+  dapo run run.num_actors=2 learner.num_ranks=2 algorithm.max_staleness_steps=2
+Writes run.run_dir: metrics.jsonl, tensorboard/, curves.png, checkpoints/, hf/, logs/.
+"""
+
+STOP_GRACE_S = 30.0
+EXCEPTION_LINE = re.compile(r"^\[rank\d+\]: [\w.]*(Error|Exception|Stalled)\w*: ")
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Child pre-exec: new session (own process group) + SIGTERM when the launcher dies."""
+    os.setsid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux: Ctrl-C handling below still cleans up
+        pass
+
+
+class Child:
+    def __init__(self, name: str, argv: list[str], log_dir: Path) -> None:
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "ab")
+        env = {**os.environ, **service_env()}
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     preexec_fn=_die_with_parent)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive():
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def stop(self, grace_s: float) -> int | None:
+        """SIGTERM the child's process group, wait up to grace_s, then SIGKILL it."""
+        self.signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        try:  # torchrun's workers share the group: make sure none survives the parent
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._log.close()
+        return self.proc.returncode
+
+
+class Progress:
+    """Tails metrics.jsonl and renders one progress line per update."""
+
+    def __init__(self, metrics_path: Path, total_steps: int) -> None:
+        from tqdm import tqdm
+
+        self.path = metrics_path
+        self.offset = 0
+        self.records: list[dict] = []
+        self.bar = tqdm(total=total_steps or None, unit="step", dynamic_ncols=True, desc="dapo run")
+
+    def poll(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            chunk = f.read()
+        # Only consume complete lines: the learner may be mid-write.
+        end = chunk.rfind(b"\n") + 1
+        self.offset += end
+        new = [json.loads(line) for line in chunk[:end].splitlines() if line.strip()]
+        for rec in new:
+            self.records.append(rec)
+            self.bar.update(max(0, int(rec["step"]) - self.bar.n))
+            self.bar.set_postfix_str(self.postfix(rec), refresh=False)
+        if new:
+            self.bar.refresh()
+        return new
+
+    def last(self, key: str) -> float | None:
+        for rec in reversed(self.records):
+            if key in rec:
+                return float(rec[key])
+        return None
+
+    def postfix(self, rec: dict) -> str:
+        def fmt(key: str, spec: str) -> str:
+            value = rec.get(key, self.last(key))
+            return "-" if value is None else format(value, spec)
+
+        return (f"v={fmt('version', '.0f')} acc={fmt('train/accuracy', '.2f')} "
+                f"eval={fmt('eval/accuracy', '.2f')} R={fmt('train/reward', '+.2f')} "
+                f"stale={fmt('staleness/mean_steps', '.2f')} tok/s={fmt('throughput/tokens_per_s', '.0f')} "
+                f"actors={fmt('actors/alive', '.0f')}")
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    apply_service_env()
+    parser = argparse.ArgumentParser(prog="dapo run", description=HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides (see `dapo config`)")
+    args = parser.parse_args(argv)
+
+    from dapo.config import ConfigError, load_config, to_dict, to_overrides
+    from dapo.tiny import resolve_model_path
+
+    try:
+        cfg = load_config(args.overrides)
+    except ConfigError as exc:
+        print(f"dapo run: {exc}", file=sys.stderr)
+        return 2
+    run_dir = Path(cfg.run.run_dir)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    for stale in ("metrics.jsonl", "trained_prompts.jsonl"):
+        (run_dir / stale).unlink(missing_ok=True)  # a fresh run never mixes with an old one
+    print(f"dapo run: preparing model {cfg.model.path} ...", file=sys.stderr)
+    cfg = replace(cfg, model=replace(cfg.model, path=str(resolve_model_path(cfg))))
+
+    overrides = to_overrides(cfg)
+    children: list[Child] = []
+    stop = {"why": ""}
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop["why"] = signal.Signals(signum).name
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+    learner = Child("learner", [sys.executable, "-m", "learner", *overrides], run_dir / "logs")
+    children.append(learner)
+    addr = f"{cfg.transport.host}:{cfg.transport.grpc_port}"
+    actors = [Child(f"actor{i}", [sys.executable, "-m", "actors", "--learner", addr, *overrides,
+                                  f"actor.seed={cfg.actor.seed + i}"], run_dir / "logs")
+              for i in range(cfg.run.num_actors)]
+    children += actors
+    print(f"dapo run: learner pid {learner.proc.pid}, actors {[a.proc.pid for a in actors]}; "
+          f"logs in {run_dir / 'logs'}", file=sys.stderr)
+
+    progress = Progress(run_dir / "metrics.jsonl", cfg.learner.total_steps)
+    t0 = time.monotonic()
+    try:
+        while not stop["why"]:
+            progress.poll()
+            if not learner.alive():
+                stop["why"] = f"learner exited ({learner.proc.returncode})"
+            elif cfg.run.max_wall_time_s and time.monotonic() - t0 > cfg.run.max_wall_time_s:
+                stop["why"] = f"run.max_wall_time_s={cfg.run.max_wall_time_s:g} reached"
+            elif cfg.run.stop_at_target and (progress.last("eval/accuracy") or 0) >= cfg.run.target_accuracy:
+                stop["why"] = f"eval/accuracy reached run.target_accuracy={cfg.run.target_accuracy}"
+            for actor in actors:
+                if not actor.alive() and not getattr(actor, "reported", False):
+                    actor.reported = True
+                    progress.bar.write(f"dapo run: {actor.name} exited ({actor.proc.returncode}); "
+                                       f"see {actor.log_path}")
+            time.sleep(0.5)  # UI refresh period, not synchronisation
+    finally:
+        # Actors first (they return their leases), then the learner (final checkpoint).
+        for child in actors:
+            child.stop(STOP_GRACE_S)
+        learner_rc = learner.stop(STOP_GRACE_S)
+        progress.poll()
+        progress.close()
+    print(f"dapo run: stopped: {stop['why']}", file=sys.stderr)
+    if learner_rc not in (0, None) and not stop["why"].startswith(("SIG", "run.", "eval/")):
+        print(f"dapo run: the learner failed; the end of {learner.log_path}:\n{_error_tail(learner.log_path)}",
+              file=sys.stderr)
+    (run_dir / "config.resolved.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    return _finish(run_dir, progress.records, cfg, learner_rc)
+
+
+def _finish(run_dir: Path, records: list[dict], cfg, learner_rc: int | None) -> int:
+    from dapo.plots import plot_run, time_to_target
+
+    if records:
+        png = plot_run(records, run_dir / "curves.png", title=f"dapo run — {cfg.algorithm.name}")
+        print(f"dapo run: curves in {png}", file=sys.stderr)
+        hit = time_to_target(records, "eval/accuracy", cfg.run.target_accuracy)
+        first = next((r["eval/accuracy"] for r in records if "eval/accuracy" in r), None)
+        last = progress_last(records, "eval/accuracy")
+        print(f"dapo run: eval accuracy {first} -> {last}; target {cfg.run.target_accuracy} "
+              + (f"reached at step {hit[0]:.0f}, {hit[1]:.0f} s" if hit else "not reached"), file=sys.stderr)
+    ckpts = sorted((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
+    if ckpts:
+        out = run_dir / "hf"
+        rc = subprocess.call([sys.executable, "-m", "learner.export", str(ckpts[-1]), str(out)],
+                             env={**os.environ, **service_env()})
+        print(f"dapo run: HF export of {ckpts[-1].name} in {out}" if rc == 0
+              else f"dapo run: export failed (exit {rc})", file=sys.stderr)
+    return 0 if learner_rc == 0 else 1
+
+
+def _error_tail(log_path: Path, max_lines: int = 3) -> str:
+    """The learner's own error lines (torchrun's wrapper traceback that follows is noise)."""
+    lines = log_path.read_text(errors="replace").splitlines()
+    errors = [ln for ln in lines if EXCEPTION_LINE.match(ln)]
+    return "\n".join((errors or lines)[-max_lines:])
+
+
+def progress_last(records: list[dict], key: str) -> float | None:
+    return next((float(r[key]) for r in reversed(records) if key in r), None)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
