@@ -313,12 +313,10 @@ class ReplayQueue:
         buf.count_many(received_messages=1, received_bytes=sum(f.nbytes for f in frames))
         try:
             group = decode_group(frames, auth_token=self.auth_token, max_message_bytes=self.max_message_bytes)
+            buf.admit(group)
         except WireError as exc:
             buf.count(f"dropped/{exc.reason}")
-            return
-        try:
-            buf.admit(group)
         except Exception:  # a bug must not stop ingestion: count, log, go on
-            log.exception("replay queue: internal error while admitting a group")
+            log.exception("replay queue: internal error while ingesting a message")
             buf.count("dropped/internal_error")
 
