@@ -25,6 +25,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -39,12 +40,14 @@ DEFAULT_SAMPLES_PER_BATCH = 512
 """Prompts go to vLLM in batches of about this many samples (prompts x k): large enough to keep
 the engine busy, small enough for the progress bar to move."""
 
-# Overrides whose meaning a flag owns here: setting them would silently do nothing.
-_FLAG_OWNED_KEYS = {
-    "actor.temperature": "--temperature", "actor.top_p": "--top-p",
-    "actor.max_response_tokens": "--max-response-tokens", "actor.seed": "--seed",
-    "algorithm.num_samples_per_prompt": "--k", "model.path": "MODEL", "data.eval_path": "DATA",
-    "data.prompt_template": "--prompt-template", "model.dtype": "--dtype",
+# Overrides that would silently do nothing here: a flag owns the setting, or eval sizes it itself.
+_NO_EFFECT_KEYS = {
+    "actor.temperature": "use --temperature", "actor.top_p": "use --top-p",
+    "actor.max_response_tokens": "use --max-response-tokens", "actor.seed": "use --seed",
+    "algorithm.num_samples_per_prompt": "use --k", "model.path": "pass MODEL", "data.eval_path": "pass DATA",
+    "data.train_path": "pass DATA", "data.prompt_template": "use --prompt-template", "model.dtype": "use --dtype",
+    "data.max_prompt_tokens": "eval never drops long prompts silently; see --skip-long-prompts",
+    "model.max_model_len_tokens": "eval sizes the context from the prompts and --max-response-tokens",
 }
 
 
@@ -120,17 +123,21 @@ def format_table(report: dict[str, Any]) -> str:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="dapo eval",
-        description="Evaluate MODEL on DATA: k samples per prompt with vLLM, scored by the project's "
-                    "verifier; reports avg@k (mean accuracy over all samples, the DAPO paper's metric), "
-                    "pass@k (unbiased, n = k: a prompt counts when any sample is correct), pass@1, a "
-                    "per-data_source breakdown, mean response length, truncation rate and verifier errors.",
+        description=(
+            "Evaluate MODEL on DATA: k samples per prompt with vLLM (in-process), each scored by the\n"
+            "project's verifier (the row's data_source picks it). Reports avg@k (mean accuracy over all\n"
+            "samples: the DAPO paper's avg@32), pass@k (unbiased estimator, n = k: a prompt counts when any\n"
+            "sample is correct), pass@1, a per-data_source breakdown, mean response length, truncation\n"
+            "rate and verifier errors. Prompts render exactly as in training (dapo/data.py)."),
         epilog="Examples:\n"
                "  dapo eval builtin:tiny builtin --k 8\n"
                "  dapo eval builtin:tiny /work/shared/data/aime-2024.parquet --k 2 --limit 8\n"
                "  dapo eval /models/Qwen2.5-Math-7B aime-2024.parquet --k 32 --top-p 0.7 "
                "--max-response-tokens 3072 --out aime.json\n"
-               "Hydra overrides after the flags set model/data/run keys, e.g. data.max_prompt_tokens=1024 "
-               "run.cache_dir=.cache/dapo actor.verifier_timeout_s=5 (see dapo/config.py).",
+               "Hydra overrides (key=value, see dapo/config.py) set what eval shares with training:\n"
+               "  actor.reward_fn, actor.verifier_timeout_s   the scoring function and its deadline\n"
+               "  data.dedup_by_prompt, data.builtin_num_eval_prompts\n"
+               "  run.cache_dir, run.seed                       where builtin:tiny is built, and its seed",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", metavar="MODEL",
                         help="HF model folder (with config.json), or builtin:tiny (the embedded tiny model)")
@@ -176,8 +183,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         key = override.split("=", 1)[0].lstrip("+~")
         if "=" not in override:
             parser.error(f"{override!r} is neither a flag nor a key=value override; see --help")
-        if key in _FLAG_OWNED_KEYS:
-            parser.error(f"override {override!r} has no effect in dapo eval: use {_FLAG_OWNED_KEYS[key]}")
+        if key in _NO_EFFECT_KEYS:
+            parser.error(f"override {override!r} has no effect in dapo eval: {_NO_EFFECT_KEYS[key]}")
     return args
 
 
@@ -338,17 +345,17 @@ class EvalSampler:
 
 def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     """Load, generate, score; returns the report (see ``summarize`` for the metric keys)."""
+    check_data_path(args.data)  # before the slow imports
     from dataclasses import replace
 
     from transformers import AutoTokenizer
     from tqdm import tqdm
 
-    from actors.verifier import Verifier
+    from actors.verifier import DEFAULT_SCORE_FN, Verifier
     from dapo.config import load_config
     from dapo.tiny import resolve_model_path
 
     t_start = time.perf_counter()
-    check_data_path(args.data)
     cfg = load_config(args.overrides)
     cfg.model = replace(cfg.model, path=args.model)  # re-validates the model group
     model_path = resolve_model_path(cfg)
@@ -357,7 +364,8 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     prompts = load_prompts(args.data, cfg, tokenizer, args.prompt_template)
     if args.limit is not None:
         prompts = prompts[:args.limit]
-    check_data_sources(prompts, args.data)
+    if cfg.actor.reward_fn == DEFAULT_SCORE_FN:  # a custom reward_fn may know other sources
+        check_data_sources(prompts, args.data)
     limit_tokens = context_limit_tokens(model_path)
     prompts, skipped = fit_prompts(prompts, limit_tokens, max_response_tokens, args.skip_long_prompts)
     if skipped:
@@ -369,7 +377,8 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
 
     t_load = time.perf_counter()
     sampler = EvalSampler(model_path, dtype=dtype, max_model_len_tokens=max_model_len, seed=args.seed)
-    verifier = Verifier(cfg.actor.verifier_timeout_s)
+    # The same scoring function and deadline as the actors use in training.
+    verifier = Verifier(cfg.actor.verifier_timeout_s, cfg.actor.reward_fn)
     results: list[PromptResult] = []
     generate_s = score_s = 0.0
     prompts_per_batch = max(1, args.samples_per_batch // args.k)
@@ -444,6 +453,9 @@ def build_report(args: argparse.Namespace, cfg: Any, model_path: Path, dtype: st
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
+    # vLLM's start-up warnings (and a traceback from its chat-template warm-up, which has no
+    # tokenizer because ids go in and out) would bury the table; errors still show.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     apply_service_env()  # before torch / vllm are imported
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from dapo.config import ConfigError
