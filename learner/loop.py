@@ -91,6 +91,9 @@ def run(cfg: DapoConfig, trainer: Trainer, services: Rank0Services | None, *, st
         with timed(t, "gather"):
             state_dict = trainer.full_state_dict()
         step += 1
+        if services:  # before publish/checkpoint: the audit never lags a checkpoint
+            with open(services.audit_path, "a") as f:
+                f.write(json.dumps({"step": step, "prompt_ids": [int(g.prompt_id) for g in groups]}) + "\n")
         with timed(t, "publish"):
             pub = publish(services, state_dict, step)
         if cfg.learner.checkpoint_every_steps and step % cfg.learner.checkpoint_every_steps == 0:
@@ -156,8 +159,6 @@ def save_checkpoint(cfg: DapoConfig, trainer: Trainer, services: Rank0Services |
 
 def log_step(services: Rank0Services, step: int, groups: list, batch: Any, values: dict[str, float],
              step_s: float) -> None:
-    with open(services.audit_path, "a") as f:
-        f.write(json.dumps({"step": step, "prompt_ids": [int(g.prompt_id) for g in groups]}) + "\n")
     record = {"version": float(step), **values, **batch_metrics(groups, step - 1)}
     record["time/step_s"] = step_s
     record["learner/idle_fraction"] = values["time/wait_batch_s"] / max(step_s, 1e-9)

@@ -64,7 +64,22 @@ def start_services(cfg: DapoConfig, model_path: Path, coordinator_state: dict | 
     return services
 
 
+def die_with_parent() -> None:
+    """torchrun starts ranks in sessions of their own: after a kill -9 of torchrun they would live on
+    holding the learner's ports, so a resumed learner could not bind. Linux: PR_SET_PDEATHSIG."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except OSError:
+        return
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
 def main(argv: list[str]) -> int:
+    die_with_parent()
     cfg = load_config(argv)
     device = torch.device("cuda" if cfg.learner.device == "cuda" or (
         cfg.learner.device == "auto" and torch.cuda.is_available()) else "cpu")
