@@ -85,35 +85,46 @@ def sender_t0(proc: subprocess.Popen) -> float:
     return json.loads(proc.stdout.readline())["t0"]
 
 
-def run_raw(spec: dict, tmp: Path) -> tuple[float, int]:
+def run_raw(spec: dict, tmp: Path) -> tuple[float, float, int]:
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.RCVTIMEO, 60_000)
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     proc, _ = start_sender(spec, f"tcp://127.0.0.1:{port}", tmp)
     nbytes = 0
+    cpu0 = time.thread_time()
     for _ in range(len(spec["leases"])):
         nbytes += sum(len(f) for f in pull.recv_multipart())
     t1 = time.monotonic()
+    cpu_s = time.thread_time() - cpu0
     elapsed = t1 - sender_t0(proc)
     proc.wait(timeout=60)
     pull.close(linger=0)
     ctx.term()
-    return elapsed, nbytes
+    return elapsed, cpu_s, nbytes
 
 
-def run_queue(args: argparse.Namespace, shape: dict, tmp: Path, *, consume: bool) -> tuple[float, int]:
-    """consume=False: ingestion only (the buffer holds every group); consume=True: a consumer
-    thread takes batches of 16 with get_batch while groups arrive, as the learner does."""
+def run_queue(args: argparse.Namespace, shape: dict, tmp: Path) -> tuple[float, float]:
+    """The queue as the learner runs it: a consumer thread takes batches of --batch-groups with
+    get_batch while groups arrive. Returns (wall s, receiver-thread CPU s)."""
     from dapo.config import AlgorithmConfig, DapoConfig, TransportConfig
     from learner.coordinator import Coordinator
     from learner.replay import ReplayQueue
 
-    n = args.groups
-    cfg = DapoConfig(transport=TransportConfig(host="127.0.0.1", zmq_port=0, auth_token=TOKEN,
-                                               queue_max_groups=256 if consume else n),
-                     algorithm=AlgorithmConfig(num_prompts_per_step=16, num_samples_per_prompt=shape["G"],
-                                               max_staleness_steps=1 << 20))
+    class TimedQueue(ReplayQueue):
+        cpu_s = 0.0
+
+        def _receive_loop(self) -> None:
+            cpu0 = time.thread_time()
+            try:
+                super()._receive_loop()
+            finally:
+                self.cpu_s = time.thread_time() - cpu0
+
+    n, batch = args.groups, args.batch_groups
+    cfg = DapoConfig(transport=TransportConfig(host="127.0.0.1", zmq_port=0, auth_token=TOKEN, queue_max_groups=256),
+                     algorithm=AlgorithmConfig(num_prompts_per_step=batch, num_samples_per_prompt=shape["G"],
+                                               num_minibatches_per_step=1, max_staleness_steps=1 << 20))
 
     class Source:
         def __len__(self) -> int:
@@ -123,13 +134,13 @@ def run_queue(args: argparse.Namespace, shape: dict, tmp: Path, *, consume: bool
             return [1, 2, 3], "bench", ""
 
     # Lease every group up front (credit = n), so the sender never waits for the coordinator.
-    coord = Coordinator(Source(), num_prompts_per_step=16, max_staleness_steps=1 << 20, queue_max_groups=n,
+    coord = Coordinator(Source(), num_prompts_per_step=batch, max_staleness_steps=1 << 20, queue_max_groups=n,
                         heartbeat_timeout_s=3600, lease_timeout_s=3600)
     actor = coord.register("bench")
     leases = coord.lease(actor, n, 0).leases
     assert len(leases) == n, coord.counters()
     spec = dict(shape, run_id=coord.run_id, actor_id=actor, leases=[(g.lease_id, g.prompt_id) for g in leases])
-    queue = ReplayQueue(cfg, coord)
+    queue = TimedQueue(cfg, coord)
     endpoint = queue.start()
     consumed: list = []
     done_s: list[float] = []
@@ -140,25 +151,15 @@ def run_queue(args: argparse.Namespace, shape: dict, tmp: Path, *, consume: bool
         done_s.append(time.monotonic())
 
     thread = threading.Thread(target=consumer)
-    if consume:
-        thread.start()
+    thread.start()
     proc, _ = start_sender(spec, endpoint, tmp)
     t0 = sender_t0(proc)
-    if consume:
-        thread.join(timeout=120)
-        t1 = done_s[0]
-    else:
-        # Poll coarsely (no per-message wake-ups that would steal the GIL); the end time is the
-        # receiver's own timestamp of its last admitted group.
-        deadline = time.monotonic() + 120
-        while queue.counters().get("accepted", 0) < n and time.monotonic() < deadline:
-            time.sleep(0.01)
-        t1 = queue.buffer.last_admit_s
+    thread.join(timeout=120)
     counts = queue.counters()
     proc.wait(timeout=60)
     queue.close()
-    assert counts["accepted"] == n and (not consume or len(consumed) == n), counts
-    return t1 - t0, int(counts["received_bytes"])
+    assert counts["accepted"] == n and len(consumed) == n, counts
+    return done_s[0] - t0, queue.cpu_s
 
 
 def main() -> int:
@@ -166,33 +167,34 @@ def main() -> int:
     p.add_argument("--role", default="bench", choices=["bench", "sender"])
     p.add_argument("--spec", default="")
     p.add_argument("--endpoint", default="")
-    p.add_argument("--groups", type=int, default=1504, help="groups per repetition (a multiple of 16)")
+    p.add_argument("--groups", type=int, default=1536, help="groups per repetition (a multiple of --batch-groups)")
+    p.add_argument("--batch-groups", type=int, default=32, help="N: groups per get_batch of the consumer")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--append", default="", help="append a results section to this markdown file")
     args = p.parse_args()
     if args.role == "sender":
         sender(args.spec, args.endpoint)
         return 0
-    assert args.groups % 16 == 0, "--groups must be a multiple of 16 (the batch size used)"
+    assert args.groups % args.batch_groups == 0, "--groups must be a multiple of --batch-groups"
     shapes = {"G=16 x 512 tok": dict(G=16, response_tokens=512, prompt_tokens=128),
               "G=8 x 48 tok": dict(G=8, response_tokens=48, prompt_tokens=32)}
     rows = []
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         for label, shape in shapes.items():
-            raw, ingest, learn = [], [], []
-            for _ in range(args.reps):  # interleaved, so load changes hit all three alike
+            raw, queue = [], []
+            for _ in range(args.reps):  # interleaved, so load changes hit both alike
                 spec = dict(shape, run_id="raw", actor_id=1, leases=[(i + 1, i) for i in range(args.groups)])
-                raw.append(run_raw(spec, tmp)[0])
-                ingest.append(run_queue(args, shape, tmp, consume=False)[0])
-                learn.append(run_queue(args, shape, tmp, consume=True)[0])
-            raw_s, ingest_s, learn_s = (statistics.median(x) for x in (raw, ingest, learn))
-            nbytes = run_raw(spec, tmp)[1]
-            row = {"shape": label, "groups": args.groups, "mb_per_group": nbytes / args.groups / 1e6,
-                   "raw_groups_s": args.groups / raw_s, "raw_mb_s": nbytes / raw_s / 1e6,
-                   "queue_groups_s": args.groups / ingest_s, "queue_mb_s": nbytes / ingest_s / 1e6,
-                   "ratio": raw_s / ingest_s, "consumer_groups_s": args.groups / learn_s,
-                   "consumer_ratio": raw_s / learn_s, "load_avg_1m": os.getloadavg()[0]}
+                raw.append(run_raw(spec, tmp))
+                queue.append(run_queue(args, shape, tmp))
+            raw_s, raw_cpu_s = statistics.median(r[0] for r in raw), statistics.median(r[1] for r in raw)
+            queue_s, queue_cpu_s = statistics.median(q[0] for q in queue), statistics.median(q[1] for q in queue)
+            nbytes, n = raw[0][2], args.groups
+            row = {"shape": label, "groups": n, "mb_per_group": nbytes / n / 1e6,
+                   "raw_groups_s": n / raw_s, "raw_mb_s": nbytes / raw_s / 1e6,
+                   "queue_groups_s": n / queue_s, "queue_mb_s": nbytes / queue_s / 1e6, "ratio": raw_s / queue_s,
+                   "raw_cpu_us_per_group": raw_cpu_s / n * 1e6, "queue_cpu_us_per_group": queue_cpu_s / n * 1e6,
+                   "load_avg_1m": os.getloadavg()[0]}
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.append:
@@ -202,18 +204,26 @@ def main() -> int:
 
 def append_results(path: Path, args: argparse.Namespace, rows: list[dict]) -> None:
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    cmd = f".venv/bin/python bench/bench_queue.py --groups {args.groups} --reps {args.reps} --append {args.append}"
+    cmd = (f".venv/bin/python bench/bench_queue.py --groups {args.groups} --batch-groups {args.batch_groups} "
+           f"--reps {args.reps} --append {args.append}")
+    load = ", ".join(f"{r['load_avg_1m']:.1f}" for r in rows)
     lines = [
         "", "## Replay-queue ingestion (bench/bench_queue.py)", "",
-        f"`{cmd}` — {now}, {platform.node()}, {os.cpu_count()} CPUs, {platform.processor() or platform.machine()}, "
-        f"pyzmq {zmq.__version__} / libzmq {zmq.zmq_version()}. Median of {args.reps}; MB = 1e6 bytes; one sender "
-        "process, receiver in the bench process. queue = PULL + decode/validate + lease completion + "
-        "dynamic-sampling filter + get_batch consumer; raw = recv_multipart of the same bytes. Goal: ratio >= 0.5.",
-        "", "| shape | MB/group | raw groups/s | raw MB/s | queue groups/s | queue MB/s | ratio |", "|---|---|---|---|---|---|---|",
+        f"`{cmd}` — {now}, {platform.node()}, {os.cpu_count()} CPUs ({platform.machine()}), "
+        f"pyzmq {zmq.__version__} / libzmq {zmq.zmq_version()}; 1-min load average during the runs: {load} "
+        "(other jobs shared the machine). Median of the reps, raw and queue interleaved; MB = 1e6 bytes; one "
+        "sender process, receiver in the bench process; time from the sender's first send to the last group "
+        "handled. queue = PULL + decode/validate + lease completion + dynamic-sampling filter, with a consumer "
+        f"thread taking batches of {args.batch_groups} groups via get_batch (staleness check, mark trained); "
+        "raw = recv_multipart of the same bytes. ratio = queue rate / raw rate (goal >= 0.5). CPU = receiving "
+        "thread's CPU time per group (less sensitive to the machine's load than wall time).",
+        "", "| shape | MB/group | raw groups/s | raw MB/s | queue groups/s | queue MB/s | ratio | raw CPU us/group "
+        "| queue CPU us/group |", "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['mb_per_group']:.3f} | {r['raw_groups_s']:.0f} | {r['raw_mb_s']:.0f} | "
-                     f"{r['queue_groups_s']:.0f} | {r['queue_mb_s']:.0f} | {r['ratio']:.2f} |")
+                     f"{r['queue_groups_s']:.0f} | {r['queue_mb_s']:.0f} | {r['ratio']:.2f} | "
+                     f"{r['raw_cpu_us_per_group']:.0f} | {r['queue_cpu_us_per_group']:.0f} |")
     with path.open("a") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -283,7 +283,12 @@ class ReplayQueue:
                     continue
                 # Drain what is there without polling again (the poll costs a syscall per message).
                 for _ in range(RECEIVE_BURST):
-                    frames = self._recv_message(sock)
+                    try:
+                        frames = self._recv_message(sock)
+                    except zmq.ZMQError as exc:  # never expected (multipart is atomic); keep serving
+                        log.error("replay queue: receive failed: %s", exc)
+                        self.buffer.count("receive_errors")
+                        break
                     if frames is None:
                         break
                     self._ingest(frames)
