@@ -14,7 +14,10 @@
 Every message is counted exactly once: accepted, or dropped with a reason (a ``WireError``
 reason, ``wrong_run``, ``lease_not_active``, ``lease_mismatch``, ``future_version``,
 ``internal_error``) or filtered by dynamic sampling. Groups held at consumption that are older
-than k versions are dropped and their prompts re-issued (``stale_at_consumption``).
+than k versions are dropped and their prompts re-issued (``stale_at_consumption``); the
+staleness of every consumed group goes into a histogram (``staleness/<k>``). One exception to
+"counted": a single frame larger than ``max_message_bytes`` never reaches us, since libzmq
+(MAXMSGSIZE) drops the sender's connection instead; that actor's lease then times out.
 
 Memory is bounded three ways: the coordinator's lease credit (in flight + queued <
 queue_max_groups, so groups with an active lease never exceed it), the buffer's own cap (the
