@@ -14,9 +14,11 @@ the fraction of prompts with at least one correct sample; pass@1 from the same s
 avg@k when every prompt has k samples (both are reported so that either convention can be read).
 
 Sampling settings come from the flags, not from the config's ``actor.*`` group (eval defaults
-differ from training's: top_p 0.7, k 32); Hydra overrides set the model-, data- and run-level
-keys (``data.max_prompt_tokens``, ``data.builtin_num_eval_prompts``, ``run.cache_dir``,
-``actor.verifier_timeout_s``, ...).
+differ from training's: top_p 0.7, k 32). Hydra overrides set what eval shares with training:
+the scoring function and its deadline (``actor.reward_fn``, ``actor.verifier_timeout_s``), the
+data options (``data.dedup_by_prompt``, ``data.builtin_num_eval_prompts``) and where
+``builtin:tiny`` is built (``run.cache_dir``, ``run.seed``); overrides that would have no effect
+here are rejected.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dapo.data import Prompt, PromptDataset, rows_for
 from dapo.runtime import apply_service_env
 
 log = logging.getLogger("dapo.eval")
@@ -39,6 +42,9 @@ log = logging.getLogger("dapo.eval")
 DEFAULT_SAMPLES_PER_BATCH = 512
 """Prompts go to vLLM in batches of about this many samples (prompts x k): large enough to keep
 the engine busy, small enough for the progress bar to move."""
+
+CPU_MAX_BATCHED_TOKENS = 4096
+"""vLLM's default step budget on CPU (``max_num_batched_tokens``), kept when chunking is off."""
 
 # Overrides that would silently do nothing here: a flag owns the setting, or eval sizes it itself.
 _NO_EFFECT_KEYS = {
@@ -189,27 +195,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 # -- inputs ------------------------------------------------------------------------------------
-@dataclass
-class EvalPrompt:
-    prompt_id: int
-    """Row index in the (deduplicated) dataset, as in training."""
-    data_source: str
-    ground_truth: str
-    prompt_ids: list[int]
-
-
-def load_prompts(data: str, cfg: Any, tokenizer: Any, template: str) -> list[EvalPrompt]:
+def load_prompts(data: str, cfg: Any, tokenizer: Any, template: str) -> list[Prompt]:
     """The dataset's rows rendered into prompt ids exactly as training renders them
     (``dapo.data.PromptDataset``; ``builtin`` is the built-in task's held-out split)."""
-    from dapo.data import PromptDataset, rows_for
-
     # max_prompt_tokens=None: eval never drops a prompt silently; ``fit_prompts`` decides.
     dataset = PromptDataset(rows_for(data, "eval", cfg), tokenizer, template=template,
                             dedup=cfg.data.dedup_by_prompt, max_prompt_tokens=None)
     if dataset.duplicates_dropped:
         log.info("%s: %d duplicate prompts dropped (data.dedup_by_prompt=true)", data, dataset.duplicates_dropped)
-    return [EvalPrompt(p.prompt_id, p.data_source, p.ground_truth, p.prompt_token_ids)
-            for p in (dataset[i] for i in range(len(dataset)))]
+    return [dataset[i] for i in range(len(dataset))]
 
 
 def check_data_path(data: str) -> None:
@@ -225,7 +219,7 @@ def check_data_path(data: str) -> None:
                          "(verl format), or `builtin`.")
 
 
-def check_data_sources(prompts: list[EvalPrompt], data: str) -> None:
+def check_data_sources(prompts: list[Prompt], data: str) -> None:
     """Fail before any generation when a row's data_source has no verifier."""
     from dapo import rewards
 
@@ -266,8 +260,8 @@ def context_limit_tokens(model_path: Path) -> int:
     return int(config["max_position_embeddings"])
 
 
-def fit_prompts(prompts: list[EvalPrompt], limit_tokens: int, max_response_tokens: int,
-                skip_long: bool) -> tuple[list[EvalPrompt], list[int]]:
+def fit_prompts(prompts: list[Prompt], limit_tokens: int, max_response_tokens: int,
+                skip_long: bool) -> tuple[list[Prompt], list[int]]:
     """(prompts that fit with a full-length response, ids of the ones skipped).
 
     Eval never truncates a prompt (it would be a different problem) and, by default, never
@@ -275,16 +269,16 @@ def fit_prompts(prompts: list[EvalPrompt], limit_tokens: int, max_response_token
     ``skip_long``.
     """
     room = limit_tokens - max_response_tokens
-    too_long = [p for p in prompts if len(p.prompt_ids) > room]
+    too_long = [p for p in prompts if len(p.prompt_token_ids) > room]
     if too_long and not skip_long:
-        longest = max(len(p.prompt_ids) for p in too_long)
+        longest = max(len(p.prompt_token_ids) for p in too_long)
         raise ValueError(
             f"{len(too_long)} of {len(prompts)} prompts do not fit: the model supports {limit_tokens} tokens "
             f"(max_position_embeddings) and --max-response-tokens {max_response_tokens} leaves {room} for the "
             f"prompt, but the longest prompt has {longest} tokens (prompt ids {[p.prompt_id for p in too_long][:10]}"
             f"{' ...' if len(too_long) > 10 else ''}). Lower --max-response-tokens, or pass --skip-long-prompts "
             "to evaluate the others (the report lists the skipped ids).")
-    kept = [p for p in prompts if len(p.prompt_ids) <= room]
+    kept = [p for p in prompts if len(p.prompt_token_ids) <= room]
     if not kept:
         raise ValueError(f"no prompt fits in {room} tokens ({limit_tokens} - --max-response-tokens "
                          f"{max_response_tokens}); lower --max-response-tokens.")
@@ -321,8 +315,9 @@ class EvalSampler:
         self._stop_ids = stop_token_ids(str(model_path))
         extra: dict[str, Any] = {}
         if current_platform.is_cpu():
+            # Without chunking one step must hold a whole prompt: at least max_model_len tokens.
             extra = {"enable_chunked_prefill": False,
-                     "max_num_batched_tokens": max(max_model_len_tokens, 4096)}
+                     "max_num_batched_tokens": max(max_model_len_tokens, CPU_MAX_BATCHED_TOKENS)}
         self._llm = LLM(model=str(model_path), dtype=dtype, max_model_len=max_model_len_tokens, enforce_eager=True,
                         seed=seed, skip_tokenizer_init=True, enable_prefix_caching=True, **extra)
 
@@ -343,19 +338,33 @@ class EvalSampler:
         del self._llm
 
 
-def run_eval(args: argparse.Namespace) -> dict[str, Any]:
-    """Load, generate, score; returns the report (see ``summarize`` for the metric keys)."""
+@dataclass
+class EvalInputs:
+    """Everything resolved before the engine starts (so that input errors cost seconds)."""
+
+    cfg: Any
+    model_path: Path
+    tokenizer: Any
+    prompts: list[Prompt]
+    skipped_prompt_ids: list[int]
+    max_response_tokens: int
+    dtype: str
+    prepare_s: float
+    """Seconds spent here (model resolution, tokenizer, rendering)."""
+
+
+def prepare(args: argparse.Namespace) -> EvalInputs:
+    """Resolve the model, render the prompts, check verifiers and lengths."""
+    t_start = time.perf_counter()
     check_data_path(args.data)  # before the slow imports
     from dataclasses import replace
 
     from transformers import AutoTokenizer
-    from tqdm import tqdm
 
-    from actors.verifier import DEFAULT_SCORE_FN, Verifier
+    from actors.verifier import DEFAULT_SCORE_FN
     from dapo.config import load_config
     from dapo.tiny import resolve_model_path
 
-    t_start = time.perf_counter()
     cfg = load_config(args.overrides)
     cfg.model = replace(cfg.model, path=args.model)  # re-validates the model group
     model_path = resolve_model_path(cfg)
@@ -371,14 +380,23 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     if skipped:
         log.warning("skipped %d prompts longer than %d tokens (ids %s): the report covers the other %d",
                     len(skipped), limit_tokens - max_response_tokens, skipped, len(prompts))
-    dtype = model_dtype(model_path, args.dtype)
-    # A context no longer than needed: vLLM reserves KV cache for one full-length sequence.
-    max_model_len = max(len(p.prompt_ids) for p in prompts) + max_response_tokens
+    return EvalInputs(cfg, model_path, tokenizer, prompts, skipped, max_response_tokens,
+                      model_dtype(model_path, args.dtype), time.perf_counter() - t_start)
 
+
+def run_eval(args: argparse.Namespace, inputs: EvalInputs) -> dict[str, Any]:
+    """Generate and score; returns the report (``build_report``)."""
+    from tqdm import tqdm
+
+    from actors.verifier import Verifier
+
+    prompts = inputs.prompts
     t_load = time.perf_counter()
-    sampler = EvalSampler(model_path, dtype=dtype, max_model_len_tokens=max_model_len, seed=args.seed)
+    # A context no longer than needed: vLLM reserves KV cache for one full-length sequence.
+    max_model_len = max(len(p.prompt_token_ids) for p in prompts) + inputs.max_response_tokens
+    sampler = EvalSampler(inputs.model_path, dtype=inputs.dtype, max_model_len_tokens=max_model_len, seed=args.seed)
     # The same scoring function and deadline as the actors use in training.
-    verifier = Verifier(cfg.actor.verifier_timeout_s, cfg.actor.reward_fn)
+    verifier = Verifier(inputs.cfg.actor.verifier_timeout_s, inputs.cfg.actor.reward_fn)
     results: list[PromptResult] = []
     generate_s = score_s = 0.0
     prompts_per_batch = max(1, args.samples_per_batch // args.k)
@@ -389,11 +407,12 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
                 batch = prompts[start:start + prompts_per_batch]
                 t0 = time.perf_counter()
                 # A seed per prompt position: results do not depend on the batch size.
-                groups = sampler.generate([p.prompt_ids for p in batch], n=args.k, max_tokens=max_response_tokens,
-                                          temperature=args.temperature, top_p=args.top_p,
+                groups = sampler.generate([p.prompt_token_ids for p in batch], n=args.k,
+                                          max_tokens=inputs.max_response_tokens, temperature=args.temperature,
+                                          top_p=args.top_p,
                                           seeds=[args.seed + 7919 * i for i in range(start, start + len(batch))])
                 t1 = time.perf_counter()
-                results += [score_group(verifier, tokenizer, p, group, args.save_responses)
+                results += [score_group(verifier, inputs.tokenizer, p, group, args.save_responses)
                             for p, group in zip(batch, groups)]
                 generate_s += t1 - t0
                 score_s += time.perf_counter() - t1
@@ -404,12 +423,12 @@ def run_eval(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         verifier.close()
         sampler.close()
-    return build_report(args, cfg, model_path, dtype, max_response_tokens, results, skipped, verifier_counts,
-                        {"total": time.perf_counter() - t_start, "load": t_gen - t_load,
-                         "generate": generate_s, "score": score_s})
+    return build_report(args, inputs, results, verifier_counts,
+                        {"prepare": inputs.prepare_s, "load": t_gen - t_load, "generate": generate_s,
+                         "score": score_s, "total": inputs.prepare_s + time.perf_counter() - t_load})
 
 
-def score_group(verifier: Any, tokenizer: Any, prompt: EvalPrompt, samples: list[EvalSample],
+def score_group(verifier: Any, tokenizer: Any, prompt: Prompt, samples: list[EvalSample],
                 keep_text: bool) -> PromptResult:
     """Decode and verify one prompt's samples."""
     # skip_special_tokens drops the stop token, as the actor loop does before verifying.
@@ -421,9 +440,10 @@ def score_group(verifier: Any, tokenizer: Any, prompt: EvalPrompt, samples: list
                         preds=[v.pred for v in verdicts], responses=texts if keep_text else None)
 
 
-def build_report(args: argparse.Namespace, cfg: Any, model_path: Path, dtype: str, max_response_tokens: int,
-                 results: list[PromptResult], skipped: list[int], verifier_counts: dict[str, int],
-                 time_s: dict[str, float]) -> dict[str, Any]:
+def build_report(args: argparse.Namespace, inputs: EvalInputs, results: list[PromptResult],
+                 verifier_counts: dict[str, int], time_s: dict[str, float]) -> dict[str, Any]:
+    """The JSON report: settings, ``overall`` and ``by_data_source`` metrics (``summarize``),
+    skipped prompts, verifier counts, timings and one ``per_prompt`` entry per prompt."""
     by_source: dict[str, list[PromptResult]] = {}
     for r in results:
         by_source.setdefault(r.data_source, []).append(r)
@@ -437,13 +457,13 @@ def build_report(args: argparse.Namespace, cfg: Any, model_path: Path, dtype: st
             entry["responses"] = r.responses
         per_prompt.append(entry)
     return {
-        "model": args.model, "model_path": str(model_path.resolve()), "data": args.data,
+        "model": args.model, "model_path": str(inputs.model_path.resolve()), "data": args.data,
         "k": args.k, "temperature": args.temperature, "top_p": args.top_p,
-        "max_response_tokens": max_response_tokens, "prompt_template": args.prompt_template,
-        "dtype": dtype, "seed": args.seed, "limit": args.limit,
+        "max_response_tokens": inputs.max_response_tokens, "prompt_template": args.prompt_template,
+        "dtype": inputs.dtype, "seed": args.seed, "limit": args.limit, "reward_fn": inputs.cfg.actor.reward_fn,
         "overall": summarize(results, args.k),
         "by_data_source": {source: summarize(rs, args.k) for source, rs in sorted(by_source.items())},
-        "skipped_prompt_ids": skipped,
+        "skipped_prompt_ids": inputs.skipped_prompt_ids,
         "verifier": verifier_counts,
         "time_s": {key: round(value, 3) for key, value in time_s.items()},
         "throughput_tokens_per_s": total_tokens / max(time_s["generate"], 1e-9),
@@ -458,11 +478,16 @@ def main(argv: list[str] | None = None) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     apply_service_env()  # before torch / vllm are imported
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from dapo.config import ConfigError
+    from actors.verifier import VerifierError
 
     try:
-        report = run_eval(args)
-    except (ValueError, FileNotFoundError, ConfigError) as exc:
+        inputs = prepare(args)
+    except (ValueError, OSError) as exc:  # input errors: the message says what to fix
+        print(f"dapo eval: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    try:
+        report = run_eval(args, inputs)
+    except VerifierError as exc:  # actor.reward_fn does not import
         print(f"dapo eval: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     print(format_table(report))
