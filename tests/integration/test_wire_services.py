@@ -46,7 +46,9 @@ def test_exactly_once_when_actors_are_killed_or_frozen() -> None:
     procs = []
     try:
         killed = spawn_sim(learner.target, "killed", "--gen-delay-s", "60", capture=True)
-        frozen = spawn_sim(learner.target, "frozen", "--gen-delay-s", "1.5", "--filter-mod", str(filter_mod), capture=True)
+        # Both victims "generate" for 60 s: they cannot push before the signal, however late it comes.
+        # The frozen one pushes its (late) groups when the shutdown heartbeat ends its wait.
+        frozen = spawn_sim(learner.target, "frozen", "--gen-delay-s", "60", "--filter-mod", str(filter_mod), capture=True)
         procs += [killed, frozen]
         killed_ids = read_line(killed, "LEASED").split()[1].split(",")
         frozen_ids = read_line(frozen, "LEASED").split()[1].split(",")
