@@ -1,6 +1,8 @@
 """The wire contract shared by actors and the learner: ``coordinator.proto`` (package ``dapo.v1``).
 
-Import the generated code as ``from protos import coordinator_pb2, coordinator_pb2_grpc``.
+Import the generated code as ``from protos import coordinator_pb2, coordinator_pb2_grpc``;
+``protos.client.CoordinatorClient`` wraps the stub with the token, a deadline on every call and
+one clear error type.
 Regenerate after editing the .proto with ``python -m protos.generate`` (tests/unit/test_protos.py
 fails when the committed files are out of date).
 """
