@@ -10,8 +10,9 @@
                       │
                       ▼
           PackedMicroBatch: one row [1, T] = several sequences back to back, position ids restart
-          at 0 per sequence (transformers then builds a block-diagonal causal mask for sdpa), and
-          the indices of the positions whose next-token log-prob enters the loss.
+          at 0 per sequence, the sequence boundaries (attention runs per sequence, see
+          learner.trainer.packed_attention), and the positions whose next-token log-prob enters
+          the loss.
 ```
 
 Every rank runs the same number of micro-batches per mini-batch (FSDP all-gathers and
@@ -156,6 +157,8 @@ class PackedMicroBatch:
     """float32 [S]."""
     num_seqs: int
     max_loss_tokens: int
+    seq_bounds: list[int] | None = None
+    """[0, L_0, L_0 + L_1, ..., T]: sequence boundaries in the row (for the packed attention)."""
 
     @property
     def is_empty(self) -> bool:
@@ -181,7 +184,7 @@ class PackedMicroBatch:
         slot = torch.arange(idx.numel()) - first[seq_of]
         return PackedMicroBatch(tokens.view(1, -1), position.view(1, -1), idx - 1, tokens[idx], seq_of, slot,
                                 sampler_logp[idx].float(), advantages.float(), num_seqs,
-                                int(counts.max()) if idx.numel() else 0)
+                                int(counts.max()) if idx.numel() else 0, [0] + seq_lens.cumsum(0).tolist())
 
     def to_rows(self, values: torch.Tensor) -> torch.Tensor:
         """[K] per-token values -> [S, L] rows (zeros where no loss token), for policy_loss."""

@@ -62,6 +62,36 @@ class TrainerSettings:
                                torch.bfloat16 if model_dtype == "bfloat16" else torch.float32)
 
 
+PACKED_ATTENTION = "dapo_packed"
+
+
+def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     is_causal: bool | None = None, dapo_seq_bounds: list[int] | None = None, **kwargs: object
+                     ) -> tuple[torch.Tensor, None]:
+    """Causal attention per packed sequence: q/k/v [1, H, T, D] of one packed row, sequence i spans
+    [bounds[i], bounds[i+1]). Each segment is one ``is_causal`` sdpa call (the flash kernel, no mask
+    tensor), so attention costs Σ Lᵢ², not T² as a block-diagonal mask over the row would (measured
+    4x slower than padding on CPU: bench/bench_packing.py). Without bounds: plain sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if dapo_seq_bounds is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    gqa = getattr(module, "num_key_value_groups", 1) > 1
+    outs = [torch.nn.functional.scaled_dot_product_attention(
+        query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, scale=scaling, enable_gqa=gqa)
+        for s, e in zip(dapo_seq_bounds[:-1], dapo_seq_bounds[1:])]
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _register_packed_attention(model: torch.nn.Module) -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+    model.set_attn_implementation(PACKED_ATTENTION)
+
+
 def shard_model(model: torch.nn.Module, device: torch.device, param_dtype: torch.dtype) -> torch.nn.Module:
     """``fully_shard`` each decoder layer, then the root. The model must be identical on all ranks
     (same seed or same checkpoint): FSDP2 does not synchronise initial values."""
@@ -80,6 +110,7 @@ class Trainer:
         self.settings = settings
         self.device = device
         self.world_size = dist.get_world_size()
+        _register_packed_attention(model)
         self.model = shard_model(model.to(device), device, settings.param_dtype)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr,
@@ -101,7 +132,7 @@ class Trainer:
                              use_cache=False, logits_to_keep=1)
             return out.logits.sum() * 0.0, None  # keeps the graph (and FSDP's backward) alive
         out = self.model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev), use_cache=False,
-                         logits_to_keep=mb.logit_index.to(dev))
+                         logits_to_keep=mb.logit_index.to(dev), dapo_seq_bounds=mb.seq_bounds)
         logits = out.logits[0].float() / self.settings.temperature  # [K, V]
         logp_all = torch.log_softmax(logits, dim=-1)
         logp = logp_all.gather(-1, mb.target_ids.to(dev).unsqueeze(-1)).squeeze(-1)
