@@ -244,7 +244,8 @@ class Coordinator:
         queued), else the drop reason: 'lease_not_active' (expired, re-issued, completed, or
         never issued) or 'lease_mismatch' (prompt or actor differ from the lease)."""
         with self._lock:
-            self._expire_locked()
+            # No expiry pass here: a lease past its deadline but not yet re-issued is still the
+            # only lease of its prompt, so accepting its group keeps exactly-once (and is cheap).
             lease = self._active.get(lease_id)
             if lease is None:
                 self._count("groups_late")
