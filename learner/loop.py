@@ -50,6 +50,8 @@ class Rank0Services:
     """trained_prompts.jsonl: one line per step {step, prompt_ids} (the exactly-once audit)."""
     server: Any = None
     """learner.service.CoordinatorServer (stopped at teardown)."""
+    evaluator: Any = None
+    """learner.evaluate.Evaluator, or None when learner.eval_every_steps = 0."""
 
 
 class StopFlag:
@@ -96,6 +98,8 @@ def run(cfg: DapoConfig, trainer: Trainer, services: Rank0Services | None, *, st
                 f.write(json.dumps({"step": step, "prompt_ids": [int(g.prompt_id) for g in groups]}) + "\n")
         with timed(t, "publish"):
             pub = publish(services, state_dict, step)
+        if services and services.evaluator and step % cfg.learner.eval_every_steps == 0:
+            pub.update(services.evaluator.evaluate(state_dict))
         if cfg.learner.checkpoint_every_steps and step % cfg.learner.checkpoint_every_steps == 0:
             with timed(t, "checkpoint"):
                 save_checkpoint(cfg, trainer, services, step, model_path)
@@ -147,6 +151,15 @@ def publish(services: Rank0Services | None, state_dict: dict[str, torch.Tensor],
     if err is not None:
         print(f"learner: {err}", flush=True)
     return out
+
+
+def publish_initial(services: Rank0Services | None, state_dict: dict[str, torch.Tensor], step: int) -> None:
+    """Version ``step`` before the first training step: actors sync to it; eval gives the curve's start."""
+    if services is None:
+        return
+    publish(services, state_dict, step)
+    if services.evaluator is not None:
+        services.metrics.log(step, {"version": float(step), **services.evaluator.evaluate(state_dict)})
 
 
 def save_checkpoint(cfg: DapoConfig, trainer: Trainer, services: Rank0Services | None, step: int,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import sys
 from datetime import timedelta
-from pathlib import Path
 
 from dapo.runtime import apply_service_env
 
@@ -14,54 +13,10 @@ apply_service_env()
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from dapo.config import DapoConfig, load_config, to_dict  # noqa: E402
+from dapo.config import load_config  # noqa: E402
 from learner import checkpoint, loop  # noqa: E402
+from learner.services import start_services  # noqa: E402
 from learner.trainer import Trainer, TrainerSettings  # noqa: E402
-
-
-class _Source:
-    """dapo.data.PromptDataset as the coordinator's PromptSource (``get(i) -> (ids, source, truth)``)."""
-
-    def __init__(self, dataset) -> None:
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def get(self, index: int) -> tuple[list[int], str, str]:
-        p = self.dataset[index]
-        return p.prompt_token_ids, p.data_source, p.ground_truth
-
-
-def start_services(cfg: DapoConfig, model_path: Path, coordinator_state: dict | None) -> loop.Rank0Services:
-    """Rank 0: coordinator (+ its checkpointed state), replay queue, gRPC service, weight publisher."""
-    from transformers import AutoTokenizer
-
-    from dapo.data import build_dataset
-    from learner.coordinator import Coordinator
-    from learner.metrics import MetricsLogger
-    from learner.publisher import WeightPublisher
-    from learner.replay import ReplayQueue
-    from learner.service import serve_coordinator
-
-    t = cfg.transport
-    coordinator = Coordinator.from_config(cfg, _Source(build_dataset(cfg, "train", AutoTokenizer.from_pretrained(model_path))))
-    if coordinator_state is not None:
-        coordinator.load_state_dict(coordinator_state)
-    replay = ReplayQueue(cfg, coordinator)
-    publisher = WeightPublisher(
-        host=t.host, side_channel_port=t.weight_port, auth_token=t.auth_token, chunk_bytes=t.weight_chunk_bytes,
-        timeout_s=cfg.learner.weight_sync_timeout_s, dtype=getattr(torch, cfg.model.dtype),
-        collective_port=t.collective_port if t.weight_path == "collective" else None,
-        bucket_bytes=cfg.learner.weight_bucket_bytes)
-    server = serve_coordinator(cfg, coordinator, zmq_endpoint=replay.start(), queue=replay, weight_source=publisher)
-    run_dir = Path(cfg.run.run_dir)
-    metrics = MetricsLogger(run_dir, wandb=cfg.learner.wandb, prometheus_port=cfg.learner.prometheus_port,
-                            prometheus_host=t.host, config=to_dict(cfg))
-    services = loop.Rank0Services(coordinator, replay, publisher, metrics, run_dir / "trained_prompts.jsonl", server)
-    print(f"learner: coordinator {server.address}, replay {replay.endpoint}, weights {publisher.server.endpoint}"
-          f" ({t.weight_path})", flush=True)
-    return services
 
 
 def die_with_parent() -> None:
@@ -110,7 +65,7 @@ def main(argv: list[str]) -> int:
     services = start_services(cfg, model_path, run_state.get("coordinator")) if rank == 0 else None
     state_dict = trainer.full_state_dict()  # version start_step, so actors can sync before step 1
     if services is not None:
-        loop.publish(services, state_dict, start_step)
+        loop.publish_initial(services, state_dict, start_step)
         print(f"learner: {dist.get_world_size()} rank(s) on {device}, "
               f"{'resumed from ' + str(resume) if resume else 'fresh start'} at step {start_step}", flush=True)
     try:

@@ -159,7 +159,8 @@ def test_two_rank_learner_trains_publishes_on_both_paths_and_exports(tmp_path, t
     from transformers import AutoModelForCausalLM
 
     learner = Learner(tmp_path, tiny_model_dir, "transport.weight_path=collective", "learner.total_steps=4",
-                      "learner.checkpoint_every_steps=2")
+                      "learner.checkpoint_every_steps=2", "learner.eval_every_steps=2",
+                      "data.builtin_num_eval_prompts=8")
     final = tmp_path / "final.safetensors"
     actors = [learner.actor(tmp_path, "net", "--corrupt-first-fetch", "--save-final", str(final)),
               learner.actor(tmp_path, "coll", "--weight-path", "collective", "--collective-port",
@@ -169,9 +170,10 @@ def test_two_rank_learner_trains_publishes_on_both_paths_and_exports(tmp_path, t
     finally:
         for a in actors:
             kill_group(a)
-    steps = [r["step"] for r in learner.metrics()]
-    assert steps == [1, 2, 3, 4]
-    assert all(r["train/loss_tokens"] > 0 and r["weights/bytes"] > 0 for r in learner.metrics())
+    records = learner.metrics()
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]  # 0: eval of the initial weights
+    assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 2, 4]
+    assert all(r["train/loss_tokens"] > 0 and r["weights/bytes"] > 0 and r["time/train_s"] > 0 for r in records[1:])
     net, coll = _lines(tmp_path / "net.jsonl"), _lines(tmp_path / "coll.jsonl")
     assert [r["version"] for r in net] == sorted({r["version"] for r in net}) and net[-1]["version"] == 4
     assert net[0]["refetched"] == 1 and all(r["refetched"] == 0 for r in net[1:])  # corrupted chunk repaired
@@ -210,7 +212,7 @@ def test_two_rank_learner_trains_publishes_on_both_paths_and_exports(tmp_path, t
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_kill9_mid_run_then_resume_at_the_same_step_with_no_prompt_lost_or_trained_twice(tmp_path, tiny_model_dir):
-    common = ("learner.checkpoint_every_steps=2",)
+    common = ("learner.checkpoint_every_steps=2", "learner.eval_every_steps=0")
     first = Learner(tmp_path, tiny_model_dir, "learner.total_steps=50", *common, name="first")
     actor = first.actor(tmp_path, "a1")
     try:

@@ -1,0 +1,61 @@
+"""Rank 0's services: coordinator (+ its checkpointed state), replay queue, gRPC, weight publisher."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dapo.config import DapoConfig, to_dict
+from learner import loop
+
+
+class _Source:
+    """dapo.data.PromptDataset as the coordinator's PromptSource (``get(i) -> (ids, source, truth)``)."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def get(self, index: int) -> tuple[list[int], str, str]:
+        p = self.dataset[index]
+        return p.prompt_token_ids, p.data_source, p.ground_truth
+
+
+def start_services(cfg: DapoConfig, model_path: Path, coordinator_state: dict | None) -> loop.Rank0Services:
+    """Start everything rank 0 serves; ``coordinator_state`` comes from a checkpoint (resume)."""
+    from transformers import AutoTokenizer
+
+    from dapo.data import build_dataset
+    from learner.coordinator import Coordinator
+    from learner.metrics import MetricsLogger
+    from learner.publisher import WeightPublisher
+    from learner.replay import ReplayQueue
+    from learner.service import serve_coordinator
+
+    t = cfg.transport
+    coordinator = Coordinator.from_config(cfg, _Source(build_dataset(cfg, "train", AutoTokenizer.from_pretrained(model_path))))
+    if coordinator_state is not None:
+        coordinator.load_state_dict(coordinator_state)
+    replay = ReplayQueue(cfg, coordinator)
+    publisher = WeightPublisher(
+        host=t.host, side_channel_port=t.weight_port, auth_token=t.auth_token, chunk_bytes=t.weight_chunk_bytes,
+        timeout_s=cfg.learner.weight_sync_timeout_s, dtype=getattr(torch, cfg.model.dtype),
+        collective_port=t.collective_port if t.weight_path == "collective" else None,
+        bucket_bytes=cfg.learner.weight_bucket_bytes)
+    server = serve_coordinator(cfg, coordinator, zmq_endpoint=replay.start(), queue=replay, weight_source=publisher)
+    run_dir = Path(cfg.run.run_dir)
+    metrics = MetricsLogger(run_dir, wandb=cfg.learner.wandb, prometheus_port=cfg.learner.prometheus_port,
+                            prometheus_host=t.host, config=to_dict(cfg))
+    evaluator = None
+    if cfg.learner.eval_every_steps:
+        from learner.evaluate import Evaluator
+
+        evaluator = Evaluator(cfg, model_path)
+    services = loop.Rank0Services(coordinator, replay, publisher, metrics, run_dir / "trained_prompts.jsonl", server,
+                                  evaluator)
+    print(f"learner: coordinator {server.address}, replay {replay.endpoint}, weights {publisher.server.endpoint}"
+          f" ({t.weight_path})", flush=True)
+    return services
