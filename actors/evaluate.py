@@ -110,12 +110,13 @@ def summarize(results: list[PromptResult], k: int) -> dict[str, Any]:
 def format_table(report: dict[str, Any]) -> str:
     """The human-readable table: one row for all prompts, one per data_source."""
     k = report["k"]
-    head = (f"{'data_source':<24} {'prompts':>7} {'samples':>8} {f'avg@{k}':>8} {f'pass@{k}':>8} "
-            f"{'pass@1':>8} {'len_tok':>8} {'trunc':>6}")
     rows = [("all", report["overall"])] + sorted(report["by_data_source"].items())
+    w = max(len("data_source"), *(len(name) for name, _ in rows))
+    head = (f"{'data_source':<{w}} {'prompts':>7} {'samples':>8} {f'avg@{k}':>8} {f'pass@{k}':>8} "
+            f"{'pass@1':>8} {'len_tok':>8} {'trunc':>6}")
     lines = [head, "-" * len(head)]
     for name, m in rows:
-        lines.append(f"{name[:24]:<24} {m['num_prompts']:>7} {m['num_samples']:>8} {m['avg@k']:>8.4f} "
+        lines.append(f"{name:<{w}} {m['num_prompts']:>7} {m['num_samples']:>8} {m['avg@k']:>8.4f} "
                      f"{m['pass@k']:>8.4f} {m['pass@1']:>8.4f} {m['mean_response_length_tokens']:>8.1f} "
                      f"{m['truncation_rate']:>6.3f}")
     errors = report["verifier"]
@@ -238,26 +239,20 @@ def check_data_sources(prompts: list[Prompt], data: str) -> None:
                          "verifier in dapo/rewards.py.")
 
 
-def model_dtype(model_path: Path, requested: str) -> str:
-    """``requested``, or for ``auto`` the dtype the model was saved in (config.json)."""
-    if requested != "auto":
-        return requested
-    config = json.loads((model_path / "config.json").read_text())
-    # transformers 5 writes "dtype", older versions "torch_dtype"; neither means float32.
-    saved = next((config[key] for key in ("dtype", "torch_dtype") if key in config and config[key]), "float32")
-    if saved not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"{model_path}/config.json declares dtype {saved!r}; pass --dtype float32, "
-                         "bfloat16 or float16 explicitly.")
-    return saved
-
-
-def context_limit_tokens(model_path: Path) -> int:
-    """Longest sequence (prompt + response) the model supports, from its config.json."""
+def model_settings(model_path: Path, requested_dtype: str) -> tuple[str, int]:
+    """(dtype: ``requested_dtype``, or for ``auto`` the one the model was saved in; the longest
+    prompt + response the model supports, in tokens), from the model's config.json."""
     config = json.loads((model_path / "config.json").read_text())
     if "max_position_embeddings" not in config:
         raise ValueError(f"{model_path}/config.json has no max_position_embeddings: cannot tell how long a "
                          "prompt plus response may be. Add it to the model's config.json.")
-    return int(config["max_position_embeddings"])
+    # transformers 5 writes "dtype", older versions "torch_dtype"; neither means float32.
+    saved = next((config[key] for key in ("dtype", "torch_dtype") if key in config and config[key]), "float32")
+    dtype = saved if requested_dtype == "auto" else requested_dtype
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"{model_path}/config.json declares dtype {saved!r}; pass --dtype float32, "
+                         "bfloat16 or float16 explicitly.")
+    return dtype, int(config["max_position_embeddings"])
 
 
 def fit_prompts(prompts: list[Prompt], limit_tokens: int, max_response_tokens: int,
@@ -288,6 +283,8 @@ def fit_prompts(prompts: list[Prompt], limit_tokens: int, max_response_tokens: i
 # -- generation and scoring --------------------------------------------------------------------
 @dataclass
 class EvalSample:
+    """One sampled response."""
+
     token_ids: list[int]
     """Response token ids, the stop token included when one was sampled."""
     finish_reason: str
@@ -299,11 +296,10 @@ class EvalSampler:
     ``enforce_eager``, ids in and out, prefix caching, the model's stop ids), minus what eval does
     not need (per-token log-probs, weight reloads).
 
-    Not ``VllmEngine`` itself because that one cannot take long prompts on CPU: with chunked
-    prefill (vLLM's default) a step whose prompts exceed ``max_num_batched_tokens`` (4096 on
-    CPU) splits a seeded request's prefill, and vLLM then rewinds the request's generator,
-    which a CPU generator cannot do (``RuntimeError: CPU Generator does not use offset``;
-    AIME prompts x 32 samples hit it at once). Eval therefore disables chunked prefill on CPU.
+    Not ``VllmEngine`` itself: on CPU it fails on long prompts. With chunked prefill (vLLM's
+    default) a step over ``max_num_batched_tokens`` splits a seeded request's prefill and vLLM
+    rewinds that request's generator, which a CPU generator cannot do (``RuntimeError: CPU
+    Generator does not use offset``; AIME x 32 samples hits it). So no chunking on CPU.
     """
 
     def __init__(self, model_path: Path, *, dtype: str, max_model_len_tokens: int, seed: int) -> None:
@@ -375,13 +371,13 @@ def prepare(args: argparse.Namespace) -> EvalInputs:
         prompts = prompts[:args.limit]
     if cfg.actor.reward_fn == DEFAULT_SCORE_FN:  # a custom reward_fn may know other sources
         check_data_sources(prompts, args.data)
-    limit_tokens = context_limit_tokens(model_path)
+    dtype, limit_tokens = model_settings(model_path, args.dtype)
     prompts, skipped = fit_prompts(prompts, limit_tokens, max_response_tokens, args.skip_long_prompts)
     if skipped:
         log.warning("skipped %d prompts longer than %d tokens (ids %s): the report covers the other %d",
                     len(skipped), limit_tokens - max_response_tokens, skipped, len(prompts))
     return EvalInputs(cfg, model_path, tokenizer, prompts, skipped, max_response_tokens,
-                      model_dtype(model_path, args.dtype), time.perf_counter() - t_start)
+                      dtype, time.perf_counter() - t_start)
 
 
 def run_eval(args: argparse.Namespace, inputs: EvalInputs) -> dict[str, Any]:

@@ -137,7 +137,7 @@ def test_aime_2024_end_to_end_scores_near_zero(tmp_path, tiny_path):
 
     k, max_response = 2, 16
     report = _run_eval(["builtin:tiny", str(AIME), "--k", str(k), "--max-response-tokens", str(max_response),
-                        "--skip-long-prompts"], tmp_path / "aime.json")
+                        "--skip-long-prompts", "--save-responses"], tmp_path / "aime.json")
     # The prompts skipped are exactly those that cannot fit the tiny model's 512 positions
     # (rendered here with the tokenizer's chat template directly, not through dapo.data).
     import pyarrow.parquet as pq
@@ -157,6 +157,7 @@ def test_aime_2024_end_to_end_scores_near_zero(tmp_path, tiny_path):
     assert report["verifier"]["calls"] == rows_kept * k
     assert overall["max_response_length_tokens"] <= max_response
     assert len(report["per_prompt"]) == rows_kept
+    assert all(len(p["responses"]) == k and len(p["acc"]) == k for p in report["per_prompt"])
 
 
 @pytest.mark.slow
