@@ -1,0 +1,175 @@
+"""GPU check of the learner (one device): exactness on CUDA, a bf16 learner step, and gather + publish
+of a 0.5B-parameter model. One process, one rank (NCCL, world size 1); prints one JSON line per check.
+
+    .venv/bin/python bench/gpu_check.py                      # on a CUDA machine (needs ~10 GB)
+    .venv/bin/python bench/gpu_check.py --device cpu --small # the same code paths on CPU, tiny sizes
+
+Checks:
+  exactness  fp32 on the device: loss and gradients of one mini-batch, unpacked reference vs packed
+             in one micro-batch vs packed in many micro-batches (<= 1e-5; two ranks need two
+             GPUs — the 1 vs 2 rank check runs on CPU in tests/unit/test_trainer.py).
+  bf16_step  a full Trainer.train_step in bf16 compute (fp32 master weights), time and finite loss.
+  publish    0.5B Qwen2 (Qwen2.5-0.5B shape, random init, bf16 on the wire): FSDP full-state gather
+             to CPU, serialise + blake3, and a network fetch by a separate client process over the
+             raw TCP side channel (verified); seconds for each stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def qwen2(small: bool, seed: int = 0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    if small:
+        cfg = Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    else:  # Qwen2.5-0.5B: 494M parameters
+        cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                          num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                          max_position_embeddings=4096)
+    cfg._attn_implementation = "sdpa"
+    return Qwen2ForCausalLM(cfg).float()
+
+
+def settings(dtype: torch.dtype):
+    from dapo.config import AlgorithmConfig
+    from learner.trainer import TrainerSettings
+
+    return TrainerSettings(lr=1e-5, weight_decay=0.0, warmup_steps=0, grad_clip=1.0, temperature=1.0,
+                           token_sum_norm=64.0, algorithm=AlgorithmConfig(prox_logp="bypass"), param_dtype=dtype)
+
+
+def check_exactness(device: torch.device, small: bool) -> dict:
+    from dapo.algorithm import policy_loss
+    from learner.batch import shard_local
+    from learner.trainer import Trainer
+    from tests.unit.test_trainer import random_batch
+
+    batch = random_batch(num_groups=4, group_size=4)
+    ref_model = qwen2(True).to(device)
+    off = batch.offsets()
+    rows, olds, masks = [], [], []
+    for i in range(batch.num_seqs):
+        toks = batch.tokens[off[i]:off[i + 1]].to(device)
+        logits = ref_model(input_ids=toks[None], use_cache=False).logits[0, :-1].float()
+        rows.append(torch.log_softmax(logits, -1).gather(-1, toks[1:, None]).squeeze(-1))
+        olds.append(batch.sampler_logp[off[i] + 1:off[i + 1]].to(device))
+        masks.append(batch.loss_mask[off[i] + 1:off[i + 1]].to(device))
+    pad = torch.nn.utils.rnn.pad_sequence
+    loss, _ = policy_loss(pad(rows, batch_first=True), pad(olds, batch_first=True), batch.advantages.to(device),
+                          pad(masks, batch_first=True))
+    loss.backward()
+    ref = {n: p.grad.detach().cpu() for n, p in ref_model.named_parameters()}
+    out = {"check": "exactness", "device": str(device)}
+    for budget in (100_000, 24):
+        trainer = Trainer(qwen2(True), settings(torch.float32), device)
+        shard = shard_local(batch, num_minibatches=1, world_size=1, rank=0, max_tokens_per_microbatch=budget)
+        sums = dict.fromkeys(("loss", "tokens", "entropy", "clipfrac_high", "clipfrac_low", "dualclip_frac",
+                              "approx_kl_k1", "approx_kl_k3", "importance_weight_mean",
+                              "sampler_prox_abs_logp_diff", "sampler_prox_kl_k3"), 0.0)
+        prox = {(0, u): shard.micro(0, u).sampler_logp.to(device) for u in range(shard.num_microbatches)}
+        got = trainer.forward_backward(shard, 0, prox, sums)
+        grads = {n: p.grad.full_tensor().cpu() for n, p in trainer.model.named_parameters()}
+        diff = max(float((grads[n] - g).abs().max()) for n, g in ref.items())
+        out[f"micro{shard.num_microbatches}_loss_diff"] = abs(got - float(loss.detach()))
+        out[f"micro{shard.num_microbatches}_grad_max_diff"] = diff
+    out["ok"] = all(v <= 1e-5 for k, v in out.items() if k.endswith("diff"))
+    return out
+
+
+def check_bf16_step(device: torch.device, small: bool) -> dict:
+    from learner.batch import shard_local
+    from learner.trainer import Trainer
+    from tests.unit.test_trainer import random_batch
+
+    trainer = Trainer(qwen2(small), settings(torch.bfloat16), device)
+    batch = random_batch(num_groups=8, group_size=8)
+    shard = shard_local(batch, num_minibatches=2, world_size=1, rank=0, max_tokens_per_microbatch=4096)
+    trainer.train_step(shard)  # warm-up (allocations, kernels)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    m = trainer.train_step(shard)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return {"check": "bf16_step", "step_s": time.perf_counter() - t0, "loss": m["train/loss"],
+            "grad_norm": m["train/grad_norm"], "ok": all(map(lambda v: v == v and abs(v) < 1e6, m.values()))}
+
+
+def check_publish(device: torch.device, small: bool) -> dict:
+    from learner.publisher import WeightPublisher
+    from learner.trainer import Trainer
+
+    model = qwen2(small)
+    params = sum(p.numel() for p in model.parameters())
+    trainer = Trainer(model, settings(torch.bfloat16), device)
+    t0 = time.perf_counter()
+    sd = trainer.full_state_dict()
+    t1 = time.perf_counter()
+    pub = WeightPublisher(host="127.0.0.1", side_channel_port=0, auth_token="bench", chunk_bytes=4 << 20,  # bench_weights.py actor token
+                          timeout_s=120.0, dtype=torch.bfloat16)
+    timings = pub.publish(sd, version=1)
+    with tempfile.TemporaryDirectory() as tmp:
+        man = Path(tmp) / "manifest.json"
+        man.write_bytes(pub.store.latest().to_json())
+        port = pub.server.endpoint.rpartition(":")[2]
+        # The actor side: a separate process reads the whole buffer over TCP and verifies every chunk.
+        res = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_weights.py"), "--actor", "network",
+                              "--port", port, "--manifest", str(man), "--reps", "2"],
+                             capture_output=True, text=True, timeout=300, check=True)
+    fetch = [json.loads(line) for line in res.stdout.splitlines()]
+    pub.close()
+    nbytes = pub.store.latest().total_bytes
+    return {"check": "publish", "params": params, "wire_bytes": nbytes, "gather_s": t1 - t0,
+            "serialise_s": timings["time/serialise_s"], "transfer_s": min(f["transfer_s"] for f in fetch),
+            "verify_s": min(f["verify_s"] for f in fetch),
+            "transfer_MBps": nbytes / min(f["transfer_s"] for f in fetch) / 1e6, "ok": True}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--small", action="store_true", help="tiny model everywhere (a CPU dry run)")
+    ap.add_argument("--checks", nargs="+", default=["exactness", "bf16_step", "publish"])
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group(backend, init_method=f"file://{tmp}/init", rank=0, world_size=1)
+        ok = True
+        for name in args.checks:
+            t0 = time.perf_counter()
+            try:
+                out = {"exactness": check_exactness, "bf16_step": check_bf16_step,
+                       "publish": check_publish}[name](device, args.small)
+            except Exception as exc:  # noqa: BLE001 - report every check, then fail
+                out = {"check": name, "ok": False, "error": repr(exc)[:500]}
+            out["wall_s"] = time.perf_counter() - t0
+            ok &= bool(out["ok"])
+            print(json.dumps(out), flush=True)
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
