@@ -13,12 +13,8 @@ over 32 samples of every prompt. pass@k is the unbiased estimator of Chen et al.
 the fraction of prompts with at least one correct sample; pass@1 from the same samples equals
 avg@k when every prompt has k samples (both are reported so that either convention can be read).
 
-Sampling settings come from the flags, not from the config's ``actor.*`` group (eval defaults
-differ from training's: top_p 0.7, k 32). Hydra overrides set what eval shares with training:
-the scoring function and its deadline (``actor.reward_fn``, ``actor.verifier_timeout_s``), the
-data options (``data.dedup_by_prompt``, ``data.builtin_num_eval_prompts``) and where
-``builtin:tiny`` is built (``run.cache_dir``, ``run.seed``); overrides that would have no effect
-here are rejected.
+Sampling settings come from the flags, not from ``actor.*`` (eval defaults differ from
+training's: top_p 0.7, k 32); Hydra overrides set what eval shares with training (see --help).
 """
 
 from __future__ import annotations
@@ -30,6 +26,7 @@ import math
 import os
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +48,8 @@ _NO_EFFECT_KEYS = {
     "actor.temperature": "use --temperature", "actor.top_p": "use --top-p",
     "actor.max_response_tokens": "use --max-response-tokens", "actor.seed": "use --seed",
     "algorithm.num_samples_per_prompt": "use --k", "model.path": "pass MODEL", "data.eval_path": "pass DATA",
-    "data.train_path": "pass DATA", "data.prompt_template": "use --prompt-template", "model.dtype": "use --dtype",
+    "data.train_path": "pass DATA", "data.prompt_template": "use --prompt-template",
+    "model.dtype": "use --dtype",
     "data.max_prompt_tokens": "eval never drops long prompts silently; see --skip-long-prompts",
     "model.max_model_len_tokens": "eval sizes the context from the prompts and --max-response-tokens",
 }
@@ -120,7 +118,8 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{m['pass@k']:>8.4f} {m['pass@1']:>8.4f} {m['mean_response_length_tokens']:>8.1f} "
                      f"{m['truncation_rate']:>6.3f}")
     errors = report["verifier"]
-    lines.append(f"verifier errors: {errors['errors']} ({errors['timeouts']} timeouts) of {errors['calls']} calls; "
+    lines.append(f"verifier errors: {errors['errors']} ({errors['timeouts']} timeouts) of {errors['calls']} "
+                 "calls; "
                  f"generation {report['time_s']['generate']:.1f}s, "
                  f"{report['throughput_tokens_per_s']:.0f} response tokens/s")
     return "\n".join(lines)
@@ -170,13 +169,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "model's context (prompts are never truncated)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                         help="vLLM dtype (default auto: the model config's torch_dtype, float32 when unset)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (prompt i uses a seed derived from "
-                                                            "it and i: results do not depend on batching)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     parser.add_argument("--samples-per-batch", type=int, default=DEFAULT_SAMPLES_PER_BATCH,
                         help=f"samples (prompts x k) per vLLM call (default {DEFAULT_SAMPLES_PER_BATCH})")
-    parser.add_argument("--out", type=Path, default=None, metavar="FILE.json", help="write the report as JSON")
+    parser.add_argument("--out", type=Path, metavar="FILE.json", help="write the report as JSON")
     parser.add_argument("--save-responses", action="store_true",
                         help="include every decoded response in the JSON's per_prompt entries")
+    parser.add_argument("--verbose", action="store_true", help="keep vLLM's warnings (default: errors only)")
     args = parser.parse_intermixed_args(argv)
     for name in ("k", "max_response_tokens", "limit", "samples_per_batch"):
         value = getattr(args, name)
@@ -209,30 +208,30 @@ def load_prompts(data: str, cfg: Any, tokenizer: Any, template: str) -> list[Pro
 
 def check_data_path(data: str) -> None:
     """Fail fast (before any model loads) on a DATA argument that cannot be read."""
-    if data == "builtin":
-        return
     path = Path(data)
-    if not path.is_file():
-        raise ValueError(f"DATA {data!r} is not a file: pass a verl-format .parquet or .jsonl file, or "
-                         "`builtin` for the built-in task's held-out split.")
-    if path.suffix not in (".parquet", ".jsonl"):
-        raise ValueError(f"DATA {data!r} has suffix {path.suffix!r}: expected .parquet or .jsonl "
-                         "(verl format), or `builtin`.")
+    if data != "builtin" and (not path.is_file() or path.suffix not in (".parquet", ".jsonl")):
+        seen = "is not a .parquet or .jsonl file" if path.exists() else "does not exist"
+        raise ValueError(f"DATA {data!r} {seen}: pass a verl-format .parquet or .jsonl file, or `builtin` "
+                         "for the built-in task's held-out split.")
 
 
-def check_data_sources(prompts: list[Prompt], data: str) -> None:
-    """Fail before any generation when a row's data_source has no verifier."""
+def check_data_sources(prompts: list[Prompt], data: str, template: str) -> None:
+    """Fail before any generation when a row's data_source has no verifier; warn when the
+    prompt asks for an answer format its verifier does not read."""
     from dapo import rewards
 
-    counts: dict[str, int] = {}
-    for p in prompts:
-        counts[p.data_source] = counts.get(p.data_source, 0) + 1
+    counts = Counter(p.data_source for p in prompts)
     unknown = []
     for source, count in sorted(counts.items()):
         try:
-            rewards.verifier_for(source)
+            verifier = rewards.verifier_for(source)
         except ValueError:
             unknown.append(f"{source!r} ({count} rows)")
+            continue
+        if template == "dapo" and verifier is rewards.verify_boxed:
+            log.warning("--prompt-template dapo asks for a final 'Answer: ...' line, but data_source %r is "
+                        "scored by the \\boxed{} verifier: those answers will score 0. Use --prompt-template "
+                        "chat to keep the rows' own instruction.", source)
     if unknown:
         raise ValueError(f"{data}: no verifier for data_source {', '.join(unknown)}; known sources are "
                          f"{rewards.known_sources()}. Fix the data_source column of the dataset, or add a "
@@ -314,8 +313,9 @@ class EvalSampler:
             # Without chunking one step must hold a whole prompt: at least max_model_len tokens.
             extra = {"enable_chunked_prefill": False,
                      "max_num_batched_tokens": max(max_model_len_tokens, CPU_MAX_BATCHED_TOKENS)}
-        self._llm = LLM(model=str(model_path), dtype=dtype, max_model_len=max_model_len_tokens, enforce_eager=True,
-                        seed=seed, skip_tokenizer_init=True, enable_prefix_caching=True, **extra)
+        self._llm = LLM(model=str(model_path), dtype=dtype, max_model_len=max_model_len_tokens,
+                        enforce_eager=True, seed=seed, skip_tokenizer_init=True, enable_prefix_caching=True,
+                        **extra)
 
     def generate(self, prompt_ids: list[list[int]], *, n: int, max_tokens: int, temperature: float, top_p: float,
                  seeds: list[int]) -> list[list[EvalSample]]:
@@ -370,7 +370,7 @@ def prepare(args: argparse.Namespace) -> EvalInputs:
     if args.limit is not None:
         prompts = prompts[:args.limit]
     if cfg.actor.reward_fn == DEFAULT_SCORE_FN:  # a custom reward_fn may know other sources
-        check_data_sources(prompts, args.data)
+        check_data_sources(prompts, args.data, args.prompt_template)
     dtype, limit_tokens = model_settings(model_path, args.dtype)
     prompts, skipped = fit_prompts(prompts, limit_tokens, max_response_tokens, args.skip_long_prompts)
     if skipped:
@@ -390,7 +390,8 @@ def run_eval(args: argparse.Namespace, inputs: EvalInputs) -> dict[str, Any]:
     t_load = time.perf_counter()
     # A context no longer than needed: vLLM reserves KV cache for one full-length sequence.
     max_model_len = max(len(p.prompt_token_ids) for p in prompts) + inputs.max_response_tokens
-    sampler = EvalSampler(inputs.model_path, dtype=inputs.dtype, max_model_len_tokens=max_model_len, seed=args.seed)
+    sampler = EvalSampler(inputs.model_path, dtype=inputs.dtype, max_model_len_tokens=max_model_len,
+                          seed=args.seed)
     # The same scoring function and deadline as the actors use in training.
     verifier = Verifier(inputs.cfg.actor.verifier_timeout_s, inputs.cfg.actor.reward_fn)
     results: list[PromptResult] = []
@@ -414,12 +415,11 @@ def run_eval(args: argparse.Namespace, inputs: EvalInputs) -> dict[str, Any]:
                 score_s += time.perf_counter() - t1
                 bar.update(len(batch))
                 bar.set_postfix(acc=f"{sum(sum(r.acc) for r in results) / (len(results) * args.k):.3f}")
-        verifier_counts = {"calls": verifier.num_calls, "errors": verifier.num_errors,
-                           "timeouts": verifier.num_timeouts}
+        counts = {"calls": verifier.num_calls, "errors": verifier.num_errors, "timeouts": verifier.num_timeouts}
     finally:
         verifier.close()
         sampler.close()
-    return build_report(args, inputs, results, verifier_counts,
+    return build_report(args, inputs, results, counts,
                         {"prepare": inputs.prepare_s, "load": t_gen - t_load, "generate": generate_s,
                          "score": score_s, "total": inputs.prepare_s + time.perf_counter() - t_load})
 
@@ -440,9 +440,7 @@ def build_report(args: argparse.Namespace, inputs: EvalInputs, results: list[Pro
                  verifier_counts: dict[str, int], time_s: dict[str, float]) -> dict[str, Any]:
     """The JSON report: settings, ``overall`` and ``by_data_source`` metrics (``summarize``),
     skipped prompts, verifier counts, timings and one ``per_prompt`` entry per prompt."""
-    by_source: dict[str, list[PromptResult]] = {}
-    for r in results:
-        by_source.setdefault(r.data_source, []).append(r)
+    sources = sorted({r.data_source for r in results})
     total_tokens = sum(n for r in results for n in r.length_tokens)
     per_prompt = []
     for r in results:
@@ -458,7 +456,7 @@ def build_report(args: argparse.Namespace, inputs: EvalInputs, results: list[Pro
         "max_response_tokens": inputs.max_response_tokens, "prompt_template": args.prompt_template,
         "dtype": inputs.dtype, "seed": args.seed, "limit": args.limit, "reward_fn": inputs.cfg.actor.reward_fn,
         "overall": summarize(results, args.k),
-        "by_data_source": {source: summarize(rs, args.k) for source, rs in sorted(by_source.items())},
+        "by_data_source": {src: summarize([r for r in results if r.data_source == src], args.k) for src in sources},
         "skipped_prompt_ids": inputs.skipped_prompt_ids,
         "verifier": verifier_counts,
         "time_s": {key: round(value, 3) for key, value in time_s.items()},
@@ -469,9 +467,10 @@ def build_report(args: argparse.Namespace, inputs: EvalInputs, results: list[Pro
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
-    # vLLM's start-up warnings (and a traceback from its chat-template warm-up, which has no
-    # tokenizer because ids go in and out) would bury the table; errors still show.
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    if not args.verbose:
+        # vLLM's start-up warnings (and a traceback from its chat-template warm-up, which has no
+        # tokenizer because ids go in and out) would bury the table; errors still show.
+        os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
     apply_service_env()  # before torch / vllm are imported
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     from actors.verifier import VerifierError

@@ -24,8 +24,8 @@ CACHE_DIR = ROOT / ".cache" / "dapo"  # the repo's shared cache: the tiny model 
 METRIC_KEYS = {"num_prompts", "num_samples", "avg@k", "pass@k", "pass@1", "mean_response_length_tokens",
                "max_response_length_tokens", "truncation_rate"}
 REPORT_KEYS = {"model", "model_path", "data", "k", "temperature", "top_p", "max_response_tokens",
-               "prompt_template", "dtype", "seed", "limit", "reward_fn", "overall", "by_data_source", "skipped_prompt_ids",
-               "verifier", "time_s", "throughput_tokens_per_s", "per_prompt"}
+               "prompt_template", "dtype", "seed", "limit", "reward_fn", "overall", "by_data_source",
+               "skipped_prompt_ids", "verifier", "time_s", "throughput_tokens_per_s", "per_prompt"}
 
 
 # -- pass@k estimator and summary (pure) -------------------------------------------------------
