@@ -95,6 +95,9 @@ class Engine(abc.ABC):
                  between_chunks: Callable[[], None] | None = None) -> list[list[Sample]]:
         """Sample ``n`` responses per prompt; returns one list of ``n`` samples per prompt.
 
+        ``seed``: the torch engine draws exactly the same samples for the same seed, weights and
+        prompts; vLLM uses the seed it was built with (see VllmEngine._sample) and ignores it.
+
         ``chunk_tokens``: decode in chunks of this many tokens and call ``between_chunks()``
         after each chunk but the last (it may call ``load_weights``). ``None``: one chunk.
         """

