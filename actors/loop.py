@@ -145,6 +145,11 @@ class Actor:
                 if self.stop.wait(delay_s):
                     return
                 delay_s = min(delay_s * 2, self.cfg.actor.connect_retry_max_s)
+        if reason != "initial weights" and version <= self.engine.version:
+            # Announced but not yet published where we fetch from: nothing newer to load yet.
+            with self.metrics.stage("weight_wait"):
+                self.stop.wait(0.05)
+            return
         with self.metrics.stage("load_weights"):
             self.engine.load_weights(state, version)
         self.latest_version = max(self.latest_version, version)

@@ -70,7 +70,8 @@ class ActorMetrics:
             gen_s = self.stage_s.get("generate", 0.0)
             out["actor/generate_tokens_per_s"] = self.counters["tokens_generated"] / gen_s if gen_s else 0.0
             out["idle/lease_wait_s"] = self.stage_s.get("lease_wait", 0.0)
-            out["idle/weight_wait_s"] = self.stage_s.get("fetch_weights", 0.0) + self.stage_s.get("load_weights", 0.0)
+            out["idle/weight_wait_s"] = sum(self.stage_s.get(k, 0.0) for k in ("fetch_weights", "load_weights",
+                                                                                 "weight_wait"))
             out["actor/weight_load_s_last"] = self.last_stage_s.get("load_weights", 0.0)
             return out
 

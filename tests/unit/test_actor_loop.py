@@ -1,0 +1,240 @@
+"""The actor loop's decisions, driven by fakes (no model, no sockets): weights before leases,
+SIGTERM returns leases instead of pushing, failed pushes give leases back, a lost learner means
+register again, and the wire group it builds (overlong shaping, per-token versions)."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+import actors.loop as loop_mod
+from actors.client import SessionLost
+from actors.engines.base import Engine, RawSample, Sample
+from actors.loop import Actor, Session, build_group
+from actors.metrics import ActorMetrics
+from actors.verifier import Verdict
+from dapo.algorithm import overlong_penalty
+from dapo.config import DapoConfig
+from dapo.wire import decode_group, encode_group
+from protos import coordinator_pb2 as pb
+
+RUN = pb.RunParams(num_samples_per_prompt=2, max_response_tokens=6, max_staleness_steps=1, temperature=1.0,
+                   top_p=1.0, overlong_punishment=True, overlong_cache_tokens=2, prompts_per_lease=2,
+                   heartbeat_interval_s=0.05, heartbeat_timeout_s=5, max_message_bytes=1 << 20,
+                   weight_path="network", rpc_timeout_s=1.0, num_prompts_per_step=2)
+
+
+class FakeEngine(Engine):
+    """Samples ``length`` tokens of id 9 (length cycles 3, 6); hooks run during generation."""
+
+    def __init__(self) -> None:
+        super().__init__(version=0)
+        self.during_generate = lambda: None
+        self.loaded: list[int] = []
+        self._lengths = iter([3, 6] * 1000)
+
+    def _sample(self, sequences, n, max_tokens, temperature, top_p, seed):
+        self.during_generate()
+        out = []
+        for _ in sequences:
+            group = []
+            for _ in range(n):
+                k = min(next(self._lengths), max_tokens)
+                group.append(RawSample([9] * k, [-0.5] * k, stopped=k < max_tokens))
+            out.append(group)
+        return out
+
+    def _load(self, state_dict):
+        self.loaded.append(state_dict["v"])
+
+
+class FakeClient:
+    address = "fake:1"
+
+    def __init__(self, leases_per_call: int = 2, current_version: int = 0) -> None:
+        self.calls: list[tuple[str, object]] = []
+        self.current_version = current_version
+        self.leases_per_call = leases_per_call
+        self.next_lease = 1
+        self.lease_script: list = []  # per Lease call: an exception or a LeaseResponse; then defaults
+        self.registrations = 0
+        self.published: int | None = None  # what a weight fetch returns (None: current_version)
+
+    def call(self, method, request, timeout_s=None):
+        self.calls.append((method, request))
+        if method == "Register":
+            self.registrations += 1
+            return pb.RegisterResponse(actor_id=self.registrations, run_id=f"run{self.registrations}",
+                                       zmq_endpoint="tcp://fake", current_version=self.current_version, run=RUN)
+        if method == "Lease":
+            if self.lease_script:
+                item = self.lease_script.pop(0)
+                if isinstance(item, Exception):
+                    raise item
+                self.current_version = max(self.current_version, item.latest_version)
+                return item
+            if request.weight_version < self.current_version - RUN.max_staleness_steps:  # the admission rule
+                return pb.LeaseResponse(denial=pb.LEASE_DENIAL_WEIGHTS_TOO_OLD, latest_version=self.current_version)
+            leases = []
+            for _ in range(min(request.num_prompts, self.leases_per_call)):
+                leases.append(pb.PromptLease(lease_id=self.next_lease, prompt_id=100 + self.next_lease,
+                                             prompt_token_ids=[1, 2, 3], data_source="t", ground_truth="9"))
+                self.next_lease += 1
+            return pb.LeaseResponse(leases=leases, latest_version=self.current_version)
+        if method == "Heartbeat":
+            return pb.HeartbeatResponse(latest_version=self.current_version)
+        if method == "Leave":
+            return pb.LeaveResponse(num_leases_returned=7)
+        if method == "ReturnLeases":
+            return pb.ReturnLeasesResponse(num_returned=len(request.lease_ids))
+        raise AssertionError(method)
+
+    def named(self, method):
+        return [r for m, r in self.calls if m == method]
+
+
+class FakePusher:
+    sent: list[list[bytes]] = []
+    accept = True
+
+    def __init__(self, endpoint, **kwargs) -> None:
+        self.endpoint = endpoint
+
+    def send(self, frames):
+        if FakePusher.accept:
+            FakePusher.sent.append(frames)
+        return FakePusher.accept
+
+    def close(self):
+        pass
+
+
+class FakeVerifier:
+    num_errors = num_timeouts = 0
+
+    def score_many(self, items):
+        return [Verdict(1.0, True, "9") for _ in items]
+
+
+@pytest.fixture
+def make_actor(monkeypatch):
+    FakePusher.sent, FakePusher.accept = [], True
+    monkeypatch.setattr(loop_mod, "GroupPusher", FakePusher)
+
+    def make(client: FakeClient, engine: FakeEngine | None = None):
+        engine = engine or FakeEngine()
+        fetched = []
+
+        def fetch(actor_id):
+            version = client.current_version if client.published is None else client.published
+            fetched.append(version)
+            return version, {"v": version}
+
+        actor = Actor(DapoConfig(), client, engine, FakeVerifier(), lambda ids: "x" * len(ids), fetch,
+                      ActorMetrics(), threading.Event())
+        return actor, engine, fetched
+
+    return make
+
+
+def test_newer_weights_are_loaded_before_leasing(make_actor):
+    client = FakeClient(current_version=3)
+    actor, engine, fetched = make_actor(client)
+    # The first lease reveals a newer version (and is refused: weights too old); the learner
+    # publishes it.
+    client.lease_script = [pb.LeaseResponse(denial=pb.LEASE_DENIAL_WEIGHTS_TOO_OLD, latest_version=5)]
+
+    def bump_then_stop():
+        if len(client.named("Lease")) >= 3:
+            actor.stop.set()
+
+    engine.during_generate = bump_then_stop
+    assert actor.run() == 0
+    versions = [r.weight_version for r in client.named("Lease")]
+    assert versions[0] == 3 and all(v == 5 for v in versions[1:])
+    assert engine.loaded == [3, 5] and fetched == [3, 5]
+
+
+def test_announced_but_unpublished_version_is_waited_for_not_reloaded(make_actor):
+    client = FakeClient(current_version=0)
+    actor, engine, fetched = make_actor(client)
+    client.published = 0
+    client.lease_script = [pb.LeaseResponse(denial=pb.LEASE_DENIAL_WEIGHTS_TOO_OLD, latest_version=2)]
+    fetch_calls = []
+
+    def publish_later(actor_id):
+        fetch_calls.append(actor_id)
+        if len(fetch_calls) == 4:
+            client.published = 2
+        version = client.published
+        return version, {"v": version}
+
+    actor.fetch_weights = publish_later
+    engine.during_generate = actor.stop.set
+    assert actor.run() == 0
+    assert engine.loaded == [0, 2]  # the initial load, then v2 once published; v0 never again
+    assert client.named("Lease")[-1].weight_version == 2
+    assert actor.metrics.stage_s["weight_wait"] > 0
+
+
+def test_stop_during_generation_returns_leases_and_pushes_nothing(make_actor):
+    client = FakeClient()
+    actor, engine, _ = make_actor(client)
+    engine.during_generate = actor.stop.set  # SIGTERM arrives while generating
+    assert actor.run() == 0
+    assert FakePusher.sent == []
+    assert len(client.named("Leave")) == 1 and actor.metrics.counters["leases_returned"] == 7
+
+
+def test_groups_are_pushed_and_failed_pushes_return_their_leases(make_actor):
+    client = FakeClient()
+    actor, engine, _ = make_actor(client)
+
+    def stop_after_two_batches():
+        if len(client.named("Lease")) == 2:
+            FakePusher.accept = False  # the queue stops taking groups
+        if len(client.named("Lease")) == 3:
+            actor.stop.set()
+
+    engine.during_generate = stop_after_two_batches
+    actor.run()
+    assert len(FakePusher.sent) == 2  # first batch: two leases, both pushed
+    assert [list(r.lease_ids) for r in client.named("ReturnLeases")] == [[3, 4]]
+    assert actor.metrics.counters["push_failures"] == 2 and actor.metrics.counters["groups_pushed"] == 2
+
+
+def test_lost_session_registers_again_and_refetches_weights(make_actor):
+    client = FakeClient()
+    actor, engine, fetched = make_actor(client)
+    client.lease_script = [SessionLost("learner restarted")]
+
+    def stop_once_registered_twice():
+        if client.registrations == 2:
+            actor.stop.set()
+
+    engine.during_generate = stop_once_registered_twice
+    assert actor.run() == 0
+    assert client.registrations == 2 and fetched == [0, 0]
+    assert actor.metrics.counters["learner_lost"] == 1
+    assert client.named("Leave")[0].actor_id == 2  # leaves the new session
+
+
+def test_build_group_shapes_rewards_and_encodes_version_changes():
+    session = Session(actor_id=4, run_id="r", run=RUN, pusher=None, lost=threading.Event(), closed=threading.Event())
+    lease = pb.PromptLease(lease_id=8, prompt_id=80, prompt_token_ids=[1, 2], data_source="t", ground_truth="1")
+    samples = [Sample([5, 6, 7], [-0.1, -0.2, -0.3], [2, 2, 2], "stop"),
+               Sample([5, 6, 7, 8, 9, 4], [-0.1] * 6, [2, 2, 3, 3, 4, 4], "length")]
+    group = build_group(session, lease, samples, [1.0, -1.0], [True, False], RUN)
+    frames = encode_group(group, "tok")
+    back = decode_group(frames, auth_token="tok", max_message_bytes=1 << 20)
+    assert back.versions.tolist() == [2, 2]
+    assert back.version_changes.tolist() == [[1, 2, 3], [1, 4, 4]]
+    assert back.token_versions().tolist() == [2, 2, 2, 2, 2, 3, 3, 4, 4]
+    # max 6 tokens, ramp of 2: length 3 is unpunished, length 6 gets -1
+    assert back.rewards.tolist() == [1.0, -2.0] == [1.0 + overlong_penalty(3, 6, 2), -1.0 + overlong_penalty(6, 6, 2)]
+    assert back.scores.tolist() == [1.0, -1.0] and back.acc.tolist() == [1.0, 0.0]
+    assert back.finish_reasons == ("stop", "length") and back.loss_mask.tolist() == [1] * 9
+    np.testing.assert_array_equal(back.prompt_ids, [1, 2])
+    assert (back.run_id, back.actor_id, back.lease_id, back.prompt_id) == ("r", 4, 8, 80)
