@@ -73,16 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     fetch, close_fetch = network_fetcher(args.learner, t.auth_token, t.rpc_timeout_s)
     verifier = Verifier(cfg.actor.verifier_timeout_s, cfg.actor.reward_fn)
     metrics = ActorMetrics()
-    server = serve_prometheus(metrics, cfg.actor.prometheus_port) if cfg.actor.prometheus_port > 0 else None
+    stop_prometheus = serve_prometheus(metrics, cfg.actor.prometheus_port) if cfg.actor.prometheus_port > 0 else None
     actor = Actor(cfg, client, engine, verifier, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                   fetch, metrics, stop)
     try:
         return actor.run()
-    except AuthError as exc:
+    except (AuthError, ValueError) as exc:  # wrong token, or a config the learner's run cannot use
         log.error("%s", exc)
         return 3
     finally:
         log.info("final: %s", metrics.log_line())
-        for close in (verifier.close, close_fetch, client.close, engine.close,
-                      getattr(server, "shutdown", lambda: None)):
+        for close in (verifier.close, close_fetch, client.close, engine.close, stop_prometheus or (lambda: None)):
             close()

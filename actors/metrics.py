@@ -17,7 +17,7 @@ import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,8 @@ def prometheus_name(key: str) -> str:
     return "dapo_actor_" + re.sub(r"[^a-zA-Z0-9_]", "_", body)
 
 
-def serve_prometheus(metrics: ActorMetrics, port: int, host: str = "127.0.0.1") -> object:
-    """Serve ``metrics`` at http://host:port/metrics; returns the server (call ``.shutdown()``)."""
+def serve_prometheus(metrics: ActorMetrics, port: int, host: str = "127.0.0.1") -> Callable[[], None]:
+    """Serve ``metrics`` at http://host:port/metrics; returns the function that stops serving."""
     from prometheus_client import start_http_server
     from prometheus_client.core import CollectorRegistry, GaugeMetricFamily
 
@@ -102,6 +102,12 @@ def serve_prometheus(metrics: ActorMetrics, port: int, host: str = "127.0.0.1") 
 
     registry = CollectorRegistry()
     registry.register(_Collector())
-    server, _thread = start_http_server(port, addr=host, registry=registry)
+    server, thread = start_http_server(port, addr=host, registry=registry)
     log.info("actor metrics served at http://%s:%d/metrics", host, port)
-    return server
+
+    def stop() -> None:
+        server.shutdown()
+        server.server_close()
+        thread.join(5.0)
+
+    return stop
