@@ -56,6 +56,7 @@ def start_services(cfg: DapoConfig, model_path: Path, coordinator_state: dict | 
         evaluator = Evaluator(cfg, model_path)
     services = loop.Rank0Services(coordinator, replay, publisher, metrics, run_dir / "trained_prompts.jsonl", server,
                                   evaluator)
+    collective = f", collective store port {publisher.collective.port}" if publisher.collective else ""
     print(f"learner: coordinator {server.address}, replay {replay.endpoint}, weights {publisher.server.endpoint}"
-          f" ({t.weight_path})", flush=True)
+          f" ({t.weight_path}{collective})", flush=True)
     return services

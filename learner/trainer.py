@@ -237,7 +237,12 @@ class Trainer:
     # ------------------------------------------------------------------ weights
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective (call on every rank): full CPU state dict on rank 0, {} elsewhere."""
+        """Collective (call on every rank): full CPU state dict on rank 0, {} elsewhere; without
+        ``lm_head.weight`` when the embeddings are tied."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            # The tied copy is the embedding (+26 % bytes for Qwen2.5-0.5B); engines re-tie on load.
+            sd.pop("lm_head.weight", None)
+        return sd

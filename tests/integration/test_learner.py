@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,12 +17,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 TOKEN = "itest-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kill_group(proc: subprocess.Popen) -> None:
@@ -104,19 +97,23 @@ class Learner:
     """``python -m learner`` (torchrun, 2 ranks) in its own process group, on free loopback ports."""
 
     def __init__(self, tmp: Path, model: Path, *overrides: str, name: str = "learner") -> None:
-        self.port = free_port()
-        self.grpc = f"127.0.0.1:{self.port}"
-        self.collective_port = free_port()
         self.run_dir = tmp / "run"
         self.log = tmp / f"{name}.log"
+        # Port 0 everywhere: the services bind free ports and the learner prints them (no races).
         cfg = [f"model.path={model}", f"run.run_dir={self.run_dir}", "learner.num_ranks=2",
-               f"transport.grpc_port={self.port}", f"transport.zmq_port={free_port()}",
-               f"transport.weight_port={free_port()}", f"transport.collective_port={self.collective_port}",
-               f"transport.auth_token={TOKEN}", "algorithm.num_prompts_per_step=2",
+               "transport.grpc_port=0", "transport.zmq_port=0", "transport.weight_port=0",
+               "transport.collective_port=0", f"transport.auth_token={TOKEN}", "algorithm.num_prompts_per_step=2",
                "algorithm.num_samples_per_prompt=4", "algorithm.num_minibatches_per_step=2",
                "data.builtin_num_train_prompts=200", "learner.collective_timeout_s=60", *overrides]
         self.proc = subprocess.Popen([sys.executable, "-m", "learner", *cfg], cwd=ROOT, stdout=open(self.log, "w"),
                                      stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while "learner: coordinator " not in self.log.read_text():
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()[-3000:]
+            time.sleep(0.2)
+        line = next(x for x in self.log.read_text().splitlines() if x.startswith("learner: coordinator "))
+        self.grpc = line.split()[2].rstrip(",")
+        self.collective_port = int(line.rsplit("port ", 1)[1].rstrip(")")) if "store port" in line else 0
 
     def actor(self, tmp: Path, name: str, *flags: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, str(HERE / "sim_actor.py"), "--learner", self.grpc, "--token", TOKEN,
