@@ -288,13 +288,15 @@ class WeightPublisher:
                                         timeout_s=timeout_s)
         self.collective = (CollectiveBroadcaster(host, collective_port, timeout_s, bucket_bytes)
                            if collective_port is not None else None)
+        self.last_collective_error: CollectiveSyncError | None = None
 
     def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
         """Serialise and make ``version`` available on both paths; returns the time breakdown.
 
-        On a collective failure the version is still published on the network path and the error
-        is reported in the returned metrics (``weights/collective_error`` = 1) and re-raised by
-        ``raise_collective_errors``-style callers via ``last_collective_error``.
+        On a collective failure the version is still published on the network path; the error is
+        reported in the returned metrics (``weights/collective_error`` = 1) and kept in
+        ``last_collective_error`` (the members rejoin for the next version). Actor-side timings of
+        the previous collective sync (acks) come back as ``weights/actor_*`` maxima.
         """
         t0 = time.perf_counter()
         total = sum(t.numel() * (torch.empty((), dtype=self.dtype).element_size()
@@ -305,8 +307,12 @@ class WeightPublisher:
         self.store.put(buf, manifest)
         out = {"time/serialise_s": time.perf_counter() - t0, "weights/bytes": float(manifest.total_bytes),
                "weights/version": float(version)}
-        self.last_collective_error: CollectiveSyncError | None = None
+        self.last_collective_error = None
         if self.collective is not None:
+            acks = self.collective.acks(self.collective.sync_index - 1) if self.collective.sync_index else {}
+            for key in ("transfer_s", "verify_s", "refetched"):
+                if acks:
+                    out[f"weights/actor_{key}_max"] = max(float(a[key]) for a in acks.values())
             try:
                 out.update(self.collective.broadcast(buf, manifest))
             except CollectiveSyncError as exc:

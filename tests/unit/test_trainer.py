@@ -147,3 +147,14 @@ def test_loss_and_grads_equal_across_ranks_microbatches_and_packings(tmp_path):
             for name, g in ref_grads.items():
                 torch.testing.assert_close(run["grads"][name], g, rtol=0, atol=1e-5, msg=lambda m: f"{agg} {name}: {m}")
         assert any(float(g.abs().max()) > 1e-3 for g in ref_grads.values())  # gradients are not trivially 0
+
+
+def test_learner_entry_splits_torchrun_flags_from_overrides():
+    from learner.__main__ import split_args
+
+    torchrun, overrides = split_args(["--nnodes=2", "--node-rank", "1", "--rdzv-endpoint", "h:29400",
+                                      "learner.num_ranks=4", "run.run_dir=x"])
+    assert torchrun == ["--nnodes=2", "--node-rank", "1", "--rdzv-endpoint", "h:29400"]
+    assert overrides == ["learner.num_ranks=4", "run.run_dir=x"]
+    with pytest.raises(SystemExit, match="unknown flag '--bogus'"):
+        split_args(["--bogus"])
