@@ -3,7 +3,7 @@
 ::
 
     rows (dapo.data, deduplicated)  --render (same as training)-->  prompt ids
-        --vllm.LLM.generate(n=k, T, top_p)-->  k samples per prompt
+        --VllmEngine.generate(n=k, T, top_p)-->  k samples per prompt
         --decode--> text  --actors.verifier (worker process, per-call deadline)-->  acc
         --> avg@k, pass@k, pass@1, per data_source, lengths, truncation  --> table + JSON
 
@@ -29,19 +29,19 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dapo.data import Prompt, PromptDataset, rows_for
 from dapo.runtime import apply_service_env
+
+if TYPE_CHECKING:  # the engine module imports torch, which must wait for apply_service_env()
+    from actors.engines.base import Sample
 
 log = logging.getLogger("dapo.eval")
 
 DEFAULT_SAMPLES_PER_BATCH = 512
 """Prompts go to vLLM in batches of about this many samples (prompts x k): large enough to keep
 the engine busy, small enough for the progress bar to move."""
-
-CPU_MAX_BATCHED_TOKENS = 4096
-"""vLLM's default step budget on CPU (``max_num_batched_tokens``), kept when chunking is off."""
 
 # Overrides that would silently do nothing here: a flag owns the setting, or eval sizes it itself.
 _NO_EFFECT_KEYS = {
@@ -169,7 +169,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "model's context (prompts are never truncated)")
     parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                         help="vLLM dtype (default auto: the model config's torch_dtype, float32 when unset)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="engine seed (default 0): the same command gives the same samples")
     parser.add_argument("--samples-per-batch", type=int, default=DEFAULT_SAMPLES_PER_BATCH,
                         help=f"samples (prompts x k) per vLLM call (default {DEFAULT_SAMPLES_PER_BATCH})")
     parser.add_argument("--out", type=Path, metavar="FILE.json", help="write the report as JSON")
@@ -279,61 +280,6 @@ def fit_prompts(prompts: list[Prompt], limit_tokens: int, max_response_tokens: i
     return kept, [p.prompt_id for p in too_long]
 
 
-# -- generation and scoring --------------------------------------------------------------------
-@dataclass
-class EvalSample:
-    """One sampled response."""
-
-    token_ids: list[int]
-    """Response token ids, the stop token included when one was sampled."""
-    finish_reason: str
-    """``stop`` or ``length`` (hit --max-response-tokens)."""
-
-
-class EvalSampler:
-    """In-process ``vllm.LLM`` with the actor engine's settings (``actors/engines/vllm_engine.py``:
-    ``enforce_eager``, ids in and out, prefix caching, the model's stop ids), minus what eval does
-    not need (per-token log-probs, weight reloads).
-
-    Not ``VllmEngine`` itself: on CPU it fails on long prompts. With chunked prefill (vLLM's
-    default) a step over ``max_num_batched_tokens`` splits a seeded request's prefill and vLLM
-    rewinds that request's generator, which a CPU generator cannot do (``RuntimeError: CPU
-    Generator does not use offset``; AIME x 32 samples hits it). So no chunking on CPU.
-    """
-
-    def __init__(self, model_path: Path, *, dtype: str, max_model_len_tokens: int, seed: int) -> None:
-        from vllm import LLM
-        from vllm.platforms import current_platform
-
-        from actors.engines.base import stop_token_ids
-
-        self._stop_ids = stop_token_ids(str(model_path))
-        extra: dict[str, Any] = {}
-        if current_platform.is_cpu():
-            # Without chunking one step must hold a whole prompt: at least max_model_len tokens.
-            extra = {"enable_chunked_prefill": False,
-                     "max_num_batched_tokens": max(max_model_len_tokens, CPU_MAX_BATCHED_TOKENS)}
-        self._llm = LLM(model=str(model_path), dtype=dtype, max_model_len=max_model_len_tokens,
-                        enforce_eager=True, seed=seed, skip_tokenizer_init=True, enable_prefix_caching=True,
-                        **extra)
-
-    def generate(self, prompt_ids: list[list[int]], *, n: int, max_tokens: int, temperature: float, top_p: float,
-                 seeds: list[int]) -> list[list[EvalSample]]:
-        """``n`` samples per prompt; prompt i samples with ``seeds[i]``."""
-        from vllm import SamplingParams
-
-        params = [SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                 seed=seed % (2**31), detokenize=False, stop_token_ids=self._stop_ids)
-                  for seed in seeds]
-        outs = self._llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params, use_tqdm=False)
-        return [[EvalSample(list(c.token_ids), "length" if c.finish_reason == "length" else "stop")
-                 for c in out.outputs] for out in outs]
-
-    def close(self) -> None:
-        self._llm.llm_engine.engine_core.shutdown()
-        del self._llm
-
-
 @dataclass
 class EvalInputs:
     """Everything resolved before the engine starts (so that input errors cost seconds)."""
@@ -380,18 +326,22 @@ def prepare(args: argparse.Namespace) -> EvalInputs:
                       dtype, time.perf_counter() - t_start)
 
 
+# -- generation and scoring --------------------------------------------------------------------
 def run_eval(args: argparse.Namespace, inputs: EvalInputs) -> dict[str, Any]:
     """Generate and score; returns the report (``build_report``)."""
     from tqdm import tqdm
 
+    from actors.engines import make_engine
     from actors.verifier import Verifier
 
     prompts = inputs.prompts
     t_load = time.perf_counter()
     # A context no longer than needed: vLLM reserves KV cache for one full-length sequence.
     max_model_len = max(len(p.prompt_token_ids) for p in prompts) + inputs.max_response_tokens
-    sampler = EvalSampler(inputs.model_path, dtype=inputs.dtype, max_model_len_tokens=max_model_len,
-                          seed=args.seed)
+    # The actors' engine (in-process vLLM, enforce_eager, ids in and out, prefix caching); the
+    # per-token log-probs it also returns are not used here.
+    engine = make_engine("vllm", str(inputs.model_path), dtype=inputs.dtype, max_model_len_tokens=max_model_len,
+                         seed=args.seed)
     # The same scoring function and deadline as the actors use in training.
     verifier = Verifier(inputs.cfg.actor.verifier_timeout_s, inputs.cfg.actor.reward_fn)
     results: list[PromptResult] = []
@@ -403,11 +353,9 @@ def run_eval(args: argparse.Namespace, inputs: EvalInputs) -> dict[str, Any]:
             for start in range(0, len(prompts), prompts_per_batch):
                 batch = prompts[start:start + prompts_per_batch]
                 t0 = time.perf_counter()
-                # A seed per prompt position: results do not depend on the batch size.
-                groups = sampler.generate([p.prompt_token_ids for p in batch], n=args.k,
-                                          max_tokens=inputs.max_response_tokens, temperature=args.temperature,
-                                          top_p=args.top_p,
-                                          seeds=[args.seed + 7919 * i for i in range(start, start + len(batch))])
+                groups = engine.generate([p.prompt_token_ids for p in batch], n=args.k,
+                                         max_tokens=inputs.max_response_tokens, temperature=args.temperature,
+                                         top_p=args.top_p, seed=args.seed + start)
                 t1 = time.perf_counter()
                 results += [score_group(verifier, inputs.tokenizer, p, group, args.save_responses)
                             for p, group in zip(batch, groups)]
@@ -418,20 +366,20 @@ def run_eval(args: argparse.Namespace, inputs: EvalInputs) -> dict[str, Any]:
         counts = {"calls": verifier.num_calls, "errors": verifier.num_errors, "timeouts": verifier.num_timeouts}
     finally:
         verifier.close()
-        sampler.close()
+        engine.close()
     return build_report(args, inputs, results, counts,
                         {"prepare": inputs.prepare_s, "load": t_gen - t_load, "generate": generate_s,
                          "score": score_s, "total": inputs.prepare_s + time.perf_counter() - t_load})
 
 
-def score_group(verifier: Any, tokenizer: Any, prompt: Prompt, samples: list[EvalSample],
+def score_group(verifier: Any, tokenizer: Any, prompt: Prompt, samples: list[Sample],
                 keep_text: bool) -> PromptResult:
     """Decode and verify one prompt's samples."""
     # skip_special_tokens drops the stop token, as the actor loop does before verifying.
     texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
     verdicts = verifier.score_many([(prompt.data_source, t, prompt.ground_truth) for t in texts])
     return PromptResult(prompt.prompt_id, prompt.data_source, prompt.ground_truth,
-                        acc=[v.acc for v in verdicts], length_tokens=[len(s.token_ids) for s in samples],
+                        acc=[v.acc for v in verdicts], length_tokens=[s.num_tokens for s in samples],
                         truncated=[s.finish_reason == "length" for s in samples],
                         preds=[v.pred for v in verdicts], responses=texts if keep_text else None)
 
