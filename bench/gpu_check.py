@@ -123,7 +123,8 @@ def check_publish(device: torch.device, small: bool) -> dict:
     t0 = time.perf_counter()
     sd = trainer.full_state_dict()
     t1 = time.perf_counter()
-    pub = WeightPublisher(host="127.0.0.1", side_channel_port=0, auth_token="bench", chunk_bytes=4 << 20,  # bench_weights.py actor token
+    # auth_token: the one bench_weights.py's actor presents
+    pub = WeightPublisher(host="127.0.0.1", side_channel_port=0, auth_token="bench", chunk_bytes=4 << 20,
                           timeout_s=120.0, dtype=torch.bfloat16)
     timings = pub.publish(sd, version=1)
     with tempfile.TemporaryDirectory() as tmp:

@@ -57,5 +57,6 @@ class Evaluator:
                 _, acc, _ = score(p.data_source, text, p.ground_truth)
                 correct.append(float(acc))
                 lengths.append(len(resp))
-        return {"eval/accuracy": sum(correct) / len(correct), "eval/response_length_tokens": sum(lengths) / len(lengths),
-                "eval/num_prompts": float(len(correct)), "time/eval_s": time.perf_counter() - t0}
+        n = len(correct)
+        return {"eval/accuracy": sum(correct) / n, "eval/response_length_tokens": sum(lengths) / n,
+                "eval/num_prompts": float(n), "time/eval_s": time.perf_counter() - t0}

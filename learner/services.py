@@ -36,7 +36,8 @@ def start_services(cfg: DapoConfig, model_path: Path, coordinator_state: dict | 
     from learner.service import serve_coordinator
 
     t = cfg.transport
-    coordinator = Coordinator.from_config(cfg, _Source(build_dataset(cfg, "train", AutoTokenizer.from_pretrained(model_path))))
+    prompts = build_dataset(cfg, "train", AutoTokenizer.from_pretrained(model_path))
+    coordinator = Coordinator.from_config(cfg, _Source(prompts))
     if coordinator_state is not None:
         coordinator.load_state_dict(coordinator_state)
     replay = ReplayQueue(cfg, coordinator)
