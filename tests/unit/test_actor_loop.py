@@ -238,3 +238,27 @@ def test_build_group_shapes_rewards_and_encodes_version_changes():
     assert back.finish_reasons == ("stop", "length") and back.loss_mask.tolist() == [1] * 9
     np.testing.assert_array_equal(back.prompt_ids, [1, 2])
     assert (back.run_id, back.actor_id, back.lease_id, back.prompt_id) == ("r", 4, 8, 80)
+
+
+def test_inflight_mode_loads_between_chunks_and_tags_the_pushed_tokens(make_actor):
+    client = FakeClient()
+    actor, engine, _ = make_actor(client)
+    actor.cfg.actor.update_mode, actor.cfg.actor.inflight_chunk_tokens = "inflight", 2
+    calls = []
+
+    def during_generate():
+        calls.append(engine.version)
+        if len(calls) == 1:  # the learner publishes v1 while the first chunk decodes
+            client.current_version = actor.latest_version = 1
+        if len(calls) == 4:  # first chunk of the second batch: the first batch was pushed
+            actor.stop.set()
+
+    engine.during_generate = during_generate
+    actor.run()
+    assert engine.loaded == [0, 1] and calls == [0, 1, 1, 1, 1, 1]  # a stop ends the batch, not the chunk loop
+    groups = [decode_group(f, auth_token=DapoConfig().transport.auth_token, max_message_bytes=1 << 20)
+              for f in FakePusher.sent]
+    assert len(groups) == 2  # 2 prompts x G=2, each 6 tokens in 3 chunks of 2
+    for g in groups:
+        assert g.response_lengths.tolist() == [6, 6]
+        assert g.token_versions().tolist() == [0, 0, 1, 1, 1, 1] * 2
