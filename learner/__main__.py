@@ -1,7 +1,8 @@
 """``python -m learner [torchrun flags] [hydra overrides]`` == ``dapo learner ...``.
 
-Re-executes itself under torchrun with ``--nproc-per-node=learner.num_ranks``; each rank runs
-``learner.main``. torchrun's own multi-node flags pass through unchanged.
+Runs torchrun with ``--nproc-per-node=learner.num_ranks`` as a child; each rank runs
+``learner.main``. torchrun's own multi-node flags pass through unchanged. SIGTERM/SIGINT are
+forwarded to the ranks (graceful stop with a final checkpoint, exit 0).
 """
 
 from __future__ import annotations
@@ -80,8 +81,40 @@ def main() -> None:
         torchrun.append("--standalone")  # single node: torchrun picks a free rendezvous port itself
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.learner.num_ranks}", *torchrun,
            "-m", "learner.main", *overrides]
-    # exec: signals (Ctrl-C, SIGTERM from `dapo run`) go straight to torchrun, which forwards them.
-    os.execvpe(sys.executable, cmd, {**os.environ, **service_env()})
+    raise SystemExit(run_torchrun(cmd, {**os.environ, **service_env()}))
+
+
+def run_torchrun(cmd: list[str], env: dict[str, str]) -> int:
+    """Run torchrun as a child; SIGTERM/SIGINT go to the ranks themselves.
+
+    torchrun turns a SIGTERM into a failed run (exit 1, SIGKILL after 30 s). Signalling the ranks
+    instead lets them stop at the next batch boundary, write a final checkpoint and exit 0, and
+    torchrun then exits 0. torchrun dies with this process (PR_SET_PDEATHSIG), and the ranks die
+    with torchrun (learner.main), so a kill -9 here leaves nothing behind.
+    """
+    import signal
+    import subprocess
+
+    import psutil
+
+    from learner.main import die_with_parent
+
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=die_with_parent)
+
+    def forward(signum: int, _frame: object) -> None:
+        try:
+            ranks = psutil.Process(proc.pid).children()
+        except psutil.NoSuchProcess:
+            return
+        for rank in ranks:
+            try:
+                rank.send_signal(signum)
+            except psutil.NoSuchProcess:
+                pass
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    return proc.wait()
 
 
 if __name__ == "__main__":

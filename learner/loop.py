@@ -115,7 +115,8 @@ def run(cfg: DapoConfig, trainer: Trainer, services: Rank0Services | None, *, st
 def next_batch(cfg: DapoConfig, services: Rank0Services | None, stop: StopFlag) -> list | None:
     """Rank 0 waits for N groups in slices, broadcasting WAIT between slices so the other ranks'
     collective timeout never fires while actors are slow; BATCH, STOP or ERROR ends the wait."""
-    slice_s = cfg.learner.collective_timeout_s / 4
+    # Short slices: a SIGTERM is acted on within ~1 s (torchrun SIGKILLs ranks 30 s after SIGTERM).
+    slice_s = min(1.0, cfg.learner.collective_timeout_s / 4)
     deadline = time.monotonic() + cfg.learner.batch_wait_timeout_s
     error: BaseException | None = None
     while True:

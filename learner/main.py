@@ -51,7 +51,8 @@ def main(argv: list[str]) -> int:
 
     if rank == 0:
         resolve_model_path(cfg)  # builds the tiny model once (cached) before the other ranks look
-    dist.barrier()
+    # The first build (warm start) can outlast learner.collective_timeout_s: wait on a patient group.
+    dist.barrier(group=dist.new_group(backend="gloo", timeout=timedelta(hours=1)))
     model_path = resolve_model_path(cfg)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
     settings = TrainerSettings.from_config(cfg.learner, cfg.algorithm, temperature=cfg.actor.temperature,
