@@ -52,6 +52,19 @@ class PromptSource(Protocol):
         ...
 
 
+class _RowCount:
+    """A PromptSource with rows but no content (auditing a saved state needs only the count)."""
+
+    def __init__(self, num_rows: int) -> None:
+        self.num_rows = num_rows
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def get(self, index: int) -> tuple[Sequence[int], str, str]:
+        raise LookupError("an audit-only coordinator has no prompt contents")
+
+
 class UnknownActor(KeyError):
     """The actor id is not registered (never was, declared dead, or from a previous learner run)."""
 
@@ -136,6 +149,7 @@ class Coordinator:
         self._pending: deque[int] = deque()
         self._queued: set[int] = set()
         self._trained: set[int] = set()
+        self._filtered: set[int] = set()  # dropped by dynamic sampling: done, kept for the audit
         self._shutdown = False
         self._counters: dict[str, int] = {}
 
@@ -265,6 +279,7 @@ class Coordinator:
         """Dynamic sampling dropped the queued group: the prompt is done, its slot is free."""
         with self._lock:
             self._queued.remove(prompt_id)
+            self._filtered.add(prompt_id)
             self._count("groups_filtered")
 
     def requeue_stale(self, prompt_id: int) -> None:
@@ -310,6 +325,26 @@ class Coordinator:
         with self._lock:
             return set(self._trained)
 
+    def audit(self) -> dict[str, int]:
+        """Exactly-once books of every prompt the cursor has handed out, in prompts.
+
+        ``issued`` = prompts the cursor gave out; each must be in exactly one state: ``trained``,
+        ``filtered`` (dynamic sampling), ``pending`` (waiting for re-issue), ``in_flight`` (an
+        active lease) or ``queued`` (accepted, not yet trained). ``lost`` = issued prompts in no
+        state; ``duplicates`` = prompts in more than one state (or twice in ``pending``);
+        ``unknown`` = prompts in a state that the cursor never issued. All three must be 0.
+        """
+        with self._lock:
+            states = (self._trained, self._filtered, list(self._pending), self._active_prompts, self._queued)
+            issued = self._issued_ids_locked()
+            accounted: set[int] = set().union(*states)
+            return {
+                "issued": len(issued), "trained": len(self._trained), "filtered": len(self._filtered),
+                "pending": len(self._pending), "in_flight": len(self._active_prompts), "queued": len(self._queued),
+                "lost": len(issued - accounted), "duplicates": sum(len(s) for s in states) - len(accounted),
+                "unknown": len(accounted - issued),
+            }
+
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
@@ -322,7 +357,8 @@ class Coordinator:
                 "version": self._version, "epoch": self._epoch, "position": self._position,
                 "next_lease_id": self._next_lease_id,
                 "pending": sorted(self._queued) + active + list(self._pending),
-                "trained": sorted(self._trained), "counters": dict(self._counters),
+                "trained": sorted(self._trained), "filtered": sorted(self._filtered),
+                "counters": dict(self._counters),
             }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -340,7 +376,20 @@ class Coordinator:
             self._next_lease_id = state["next_lease_id"]
             self._pending = deque(int(p) for p in state["pending"])
             self._trained = {int(p) for p in state["trained"]}
+            # Checkpoints written before the audit existed lack "filtered" (audit() then reports
+            # those prompts as lost; training itself does not need them).
+            self._filtered = {int(p) for p in state["filtered"]} if "filtered" in state else set()
             self._counters = dict(state["counters"])
+
+    @classmethod
+    def audit_state(cls, state: dict[str, Any]) -> dict[str, int]:
+        """``audit()`` of a saved ``state_dict()`` (e.g. a checkpoint's run_state.json), no data needed.
+        Its active leases and queued groups were saved as pending."""
+        coord = cls(_RowCount(int(state["num_rows"])), num_prompts_per_step=1, max_staleness_steps=0,
+                    queue_max_groups=1, heartbeat_timeout_s=1.0, lease_timeout_s=1.0, seed=state["seed"],
+                    shuffle=state["shuffle"])
+        coord.load_state_dict(state)
+        return coord.audit()
 
     # ------------------------------------------------------------------ internals
 
@@ -401,16 +450,28 @@ class Coordinator:
         self._count("leases_issued")
         return LeaseGrant(lease.lease_id, prompt_id, [int(t) for t in token_ids], str(data_source), str(ground_truth))
 
+    def _permutation_locked(self) -> np.ndarray:
+        """Row order of the current epoch (a seeded permutation, cached)."""
+        if self._perm_epoch != self._epoch:
+            rng = np.random.default_rng([self.seed, self._epoch])
+            self._perm = rng.permutation(self._num_rows) if self.shuffle else np.arange(self._num_rows)
+            self._perm_epoch = self._epoch
+        return self._perm
+
+    def _issued_ids_locked(self) -> set[int]:
+        """Every prompt id the cursor has handed out: whole past epochs, then this epoch's prefix."""
+        issued = set(range(self._epoch * self._num_rows))
+        if self._position:
+            base = self._epoch * self._num_rows
+            issued.update(base + int(row) for row in self._permutation_locked()[:self._position])
+        return issued
+
     def _next_prompt_locked(self) -> int | None:
         if self._pending:
             return self._pending.popleft()
         if self.max_epochs and self._epoch >= self.max_epochs:
             return None
-        if self._perm_epoch != self._epoch:
-            rng = np.random.default_rng([self.seed, self._epoch])
-            self._perm = rng.permutation(self._num_rows) if self.shuffle else np.arange(self._num_rows)
-            self._perm_epoch = self._epoch
-        prompt_id = self._epoch * self._num_rows + int(self._perm[self._position])
+        prompt_id = self._epoch * self._num_rows + int(self._permutation_locked()[self._position])
         self._position += 1
         if self._position == self._num_rows:
             self._epoch, self._position = self._epoch + 1, 0
