@@ -14,6 +14,7 @@ map onto the three things the actor loop does about them:
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Callable
 
 import grpc
@@ -133,3 +134,49 @@ def network_fetcher(address: str, auth_token: str, timeout_s: float
         return version, state
 
     return fetch, weights.close
+
+
+class CollectiveFollower:
+    """The collective weight path (``transport.weight_path=collective``): a thread that joins the
+    learner's broadcast group and receives every published version (the learner's broadcast
+    waits for each member, so receiving cannot wait for the actor loop); ``take()`` hands the
+    newest to the loop. Membership survives failed syncs: the receiver rejoins by itself.
+    """
+
+    def __init__(self, host: str, port: int, name: str, *, timeout_s: float) -> None:
+        self._args = (host, port, name, timeout_s)
+        self._latest: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="actor-collective-weights")
+        self._thread.start()
+
+    def _run(self) -> None:
+        from actors.weight_client import CollectiveWeightReceiver
+
+        host, port, name, timeout_s = self._args
+        receiver = None
+        while not self._closed.is_set():
+            try:
+                if receiver is None:
+                    receiver = CollectiveWeightReceiver(host, port, name, timeout_s=timeout_s)
+                    log.info("joined the collective weight group at %s:%d as %s", host, port, name)
+                version, state, _ = receiver.receive()
+            except Exception as exc:  # noqa: BLE001 - store timeouts between publishes, failed syncs
+                log.debug("collective weights: %s", exc)
+                if receiver is None:  # the learner's store is not up: do not spin
+                    self._closed.wait(1.0)
+                continue
+            # The state dict views a buffer the next receive() overwrites: keep a copy.
+            copy = {k: v.clone() for k, v in state.items()}
+            with self._lock:
+                self._latest = (version, copy)
+
+    def take(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The newest received (version, state dict) not taken before, if any."""
+        with self._lock:
+            latest, self._latest = self._latest, None
+        return latest
+
+    def close(self) -> None:
+        self._closed.set()

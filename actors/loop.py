@@ -36,7 +36,8 @@ from typing import Callable
 
 import numpy as np
 
-from actors.client import AuthError, CoordinatorClient, GroupPusher, LearnerUnavailable, SessionLost
+from actors.client import (AuthError, CollectiveFollower, CoordinatorClient, GroupPusher, LearnerUnavailable,
+                           SessionLost)
 from actors.engines import Engine, Sample
 from actors.metrics import ActorMetrics
 from actors.verifier import Verifier
@@ -59,6 +60,8 @@ class Session:
     lost: threading.Event
     """Set by the heartbeat thread when the coordinator no longer knows this actor."""
     closed: threading.Event
+    follower: CollectiveFollower | None = None
+    """Receiver of the collective weight path, when the run uses it."""
 
 
 class Actor:
@@ -100,7 +103,7 @@ class Actor:
     def connect(self) -> bool:
         """Register (retrying with backoff while the learner is not up); False when stopped."""
         caps = pb.Capabilities(engine=self.cfg.actor.engine, supports_inflight=True,
-                               weight_paths=["network"])
+                               weight_paths=["network", "collective"])
         delay_s, waited_s = 0.25, 0.0
         while not self.stop.is_set():
             try:
@@ -119,7 +122,13 @@ class Actor:
         self._check_run_params(resp.run)
         pusher = GroupPusher(resp.zmq_endpoint, send_timeout_s=resp.run.rpc_timeout_s,
                              curve_server_public_key=self.cfg.transport.curve_server_public_key)
-        self.session = Session(resp.actor_id, resp.run_id, resp.run, pusher, threading.Event(), threading.Event())
+        follower = None
+        if resp.run.weight_path == "collective":  # the network path stays the fallback
+            host = self.client.address.rpartition(":")[0]
+            follower = CollectiveFollower(host, self.cfg.transport.collective_port, self.name,
+                                          timeout_s=resp.run.rpc_timeout_s)
+        self.session = Session(resp.actor_id, resp.run_id, resp.run, pusher, threading.Event(), threading.Event(),
+                               follower)
         self.latest_version = resp.current_version
         self.metrics.add("registrations")
         threading.Thread(target=self._heartbeat_loop, args=(self.session,), daemon=True,
@@ -133,18 +142,16 @@ class Actor:
         for ``initial weights``: after a learner restart the same number may be other weights)."""
         if reason != "initial weights" and self.engine.version >= self.latest_version:
             return
-        delay_s = 0.1
-        while True:
-            session = self._session()
-            try:
-                with self.metrics.stage("fetch_weights"):
-                    version, state = self.fetch_weights(session.actor_id)
-                break
-            except LearnerUnavailable as exc:  # e.g. nothing published yet; heartbeats tell if lost
-                log.info("waiting for weights (%s): %s; next try in %.1fs", reason, exc, delay_s)
-                if self.stop.wait(delay_s):
-                    return
-                delay_s = min(delay_s * 2, self.cfg.actor.connect_retry_max_s)
+        session = self._session()
+        received = session.follower.take() if session.follower is not None else None
+        if received is not None and received[0] >= self.latest_version and reason != "initial weights":
+            version, state = received  # the broadcast is already here: nothing to fetch
+            self.metrics.add("weight_loads_collective")
+        else:
+            fetched = self._fetch(reason)
+            if fetched is None:  # stopped while waiting
+                return
+            version, state = fetched
         if reason != "initial weights" and version <= self.engine.version:
             # Announced but not yet published where we fetch from: nothing newer to load yet.
             with self.metrics.stage("weight_wait"):
@@ -157,6 +164,20 @@ class Actor:
         self.metrics.add("weight_loads")
         log.log(logging.INFO if reason == "initial weights" else logging.DEBUG, "loaded weights v%d (%s) in %.3fs",
                 version, reason, self.metrics.last_stage_s["load_weights"])
+
+    def _fetch(self, reason: str) -> tuple[int, dict] | None:
+        """Network fetch, waiting with backoff while nothing is published; None when stopped."""
+        delay_s = 0.1
+        while True:
+            session = self._session()  # raises SessionLost once heartbeats find a new learner
+            try:
+                with self.metrics.stage("fetch_weights"):
+                    return self.fetch_weights(session.actor_id)
+            except LearnerUnavailable as exc:
+                log.info("waiting for weights (%s): %s; next try in %.1fs", reason, exc, delay_s)
+                if self.stop.wait(delay_s):
+                    return None
+                delay_s = min(delay_s * 2, self.cfg.actor.connect_retry_max_s)
 
     def lease(self) -> list[pb.PromptLease]:
         """Lease prompts for the engine's current weights; waits (counted idle) when refused."""
@@ -249,6 +270,8 @@ class Actor:
         if self.session is not None:
             self.session.closed.set()
             self.session.pusher.close()
+            if self.session.follower is not None:
+                self.session.follower.close()
             self.session = None
 
     def _heartbeat_loop(self, session: Session) -> None:

@@ -21,8 +21,8 @@ from typing import Callable, Iterator
 
 log = logging.getLogger(__name__)
 
-COUNTERS = ("groups_pushed", "samples_generated", "tokens_generated", "verifier_errors",
-            "verifier_timeouts", "weight_loads", "push_failures", "leases_granted", "leases_returned",
+COUNTERS = ("groups_pushed", "samples_generated", "tokens_generated", "verifier_errors", "verifier_timeouts",
+            "weight_loads", "weight_loads_collective", "push_failures", "leases_granted", "leases_returned",
             "registrations", "learner_lost")
 """Counter names (all start at 0)."""
 
@@ -80,7 +80,8 @@ class ActorMetrics:
         return (f"v{int(s['actor/weight_version'])} groups={int(s['actor/groups_pushed'])} "
                 f"tok/s={s['actor/tokens_per_s']:.0f} (generating {s['actor/generate_tokens_per_s']:.0f}) "
                 f"groups/s={s['actor/groups_per_s']:.2f} idle lease={s['idle/lease_wait_s']:.1f}s "
-                f"weights={s['idle/weight_wait_s']:.1f}s verifier_errors={int(s['actor/verifier_errors'])} "
+                f"weights={s['idle/weight_wait_s']:.1f}s weight_loads={int(s['actor/weight_loads'])} "
+                f"(collective {int(s['actor/weight_loads_collective'])}) verifier_errors={int(s['actor/verifier_errors'])} "
                 f"push_failures={int(s['actor/push_failures'])}")
 
 

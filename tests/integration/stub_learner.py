@@ -83,7 +83,8 @@ def main() -> int:
     coordinator = AuditedCoordinator.from_config(cfg, TaskSource(AutoTokenizer.from_pretrained(path), NUM_PROMPTS))
     t = cfg.transport
     publisher = WeightPublisher(host=t.host, side_channel_port=t.weight_port, auth_token=t.auth_token,
-                                chunk_bytes=t.weight_chunk_bytes, timeout_s=t.rpc_timeout_s)
+                                chunk_bytes=t.weight_chunk_bytes, timeout_s=t.rpc_timeout_s,
+                                collective_port=t.collective_port if t.weight_path == "collective" else None)
     publisher.publish(state, 0)
     queue = ReplayQueue(cfg, coordinator)
     server = CoordinatorServer(cfg, coordinator, zmq_endpoint=queue.start(), queue=queue, weight_source=publisher)

@@ -55,9 +55,10 @@ class Cluster:
 
     def __init__(self, tmp: Path, model_path: str, **overrides: object) -> None:
         self.tmp = tmp
-        self.grpc_port, zmq_port, weight_port = _free_ports(3)
+        self.grpc_port, zmq_port, weight_port, collective_port = _free_ports(4)
         settings = {"model.path": model_path, "transport.grpc_port": self.grpc_port,
                     "transport.zmq_port": zmq_port, "transport.weight_port": weight_port,
+                    "transport.collective_port": collective_port,
                     "transport.auth_token": TOKEN, "transport.rpc_timeout_s": 3,
                     "transport.heartbeat_timeout_s": 60, "algorithm.num_prompts_per_step": 2,
                     "algorithm.num_samples_per_prompt": 4, "algorithm.dynamic_sampling": "false",
@@ -145,7 +146,8 @@ def log_has(path: Path, text: str) -> bool:
 
 @pytest.mark.timeout(240)
 def test_vllm_actor_started_before_learner_joins_follows_weights_and_leaves_on_sigterm(cluster):
-    c = cluster(**{"actor.engine": "vllm"})
+    # Weights over the collective path (gloo broadcast; the network path stays the fallback).
+    c = cluster(**{"actor.engine": "vllm", "transport.weight_path": "collective"})
     actor, log = c.start_actor("actor")
     wait_for("the actor waiting for its learner", lambda: log_has(log, "waiting for the learner"), 120, [actor])
     _, groups_file = c.start_learner("learner")
@@ -169,7 +171,11 @@ def test_vllm_actor_started_before_learner_joins_follows_weights_and_leaves_on_s
     assert counters["coordinator/actors_left"] == 1
     returned = counters.get("coordinator/leases_returned_on_leave", 0)
     assert counters["coordinator/leases_issued"] == counters["coordinator/leases_completed"] + returned
-    assert f"left the run; {int(returned)} leases returned" in log.read_text()
+    text = log.read_text()
+    assert f"left the run; {int(returned)} leases returned" in text
+    assert "joined the collective weight group" in text
+    final = next(line for line in text.splitlines() if "final:" in line)
+    assert "(collective 0)" not in final  # some versions arrived by broadcast
 
 
 @pytest.mark.timeout(180)
