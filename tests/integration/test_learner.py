@@ -208,7 +208,7 @@ def test_two_rank_learner_trains_publishes_on_both_paths_and_exports(tmp_path, t
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_kill9_mid_run_then_resume_at_the_same_step_with_no_prompt_lost_or_trained_twice(tmp_path, tiny_model_dir):
+def test_kill9_then_resume_same_step_no_prompt_lost_or_trained_twice_then_sigterm(tmp_path, tiny_model_dir):
     common = ("learner.checkpoint_every_steps=2", "learner.eval_every_steps=0")
     first = Learner(tmp_path, tiny_model_dir, "learner.total_steps=50", *common, name="first")
     actor = first.actor(tmp_path, "a1")
@@ -232,23 +232,34 @@ def test_kill9_mid_run_then_resume_at_the_same_step_with_no_prompt_lost_or_train
     assert max(r["step"] for r in run1) >= k  # the audit is written before the checkpoint
     before.rename(tmp_path / "run1_trained.jsonl")
 
-    second = Learner(tmp_path, tiny_model_dir, "learner.resume=latest", f"learner.total_steps={k + 3}", *common,
+    # Resume, run until stopped, then a graceful stop: SIGTERM -> final checkpoint, exit 0.
+    second = Learner(tmp_path, tiny_model_dir, "learner.resume=latest", "learner.total_steps=0", *common,
                      name="second")
     actor = second.actor(tmp_path, "a2")
+    audit2 = second.run_dir / "trained_prompts.jsonl"
     try:
-        assert second.wait(240) == 0, second.log.read_text()[-3000:]
+        deadline = time.monotonic() + 200
+        while not any(r["step"] >= k + 3 for r in _lines(audit2)):
+            assert second.proc.poll() is None and time.monotonic() < deadline, second.log.read_text()[-3000:]
+            time.sleep(0.2)
+        second.proc.send_signal(signal.SIGTERM)
+        assert second.wait(60) == 0, second.log.read_text()[-3000:]
     finally:
+        kill_group(second.proc)
         kill_group(actor)
-    assert f"resumed from {ckpt} at step {k}" in second.log.read_text()
-    run2 = _lines(second.run_dir / "trained_prompts.jsonl")
-    assert [r["step"] for r in run2] == [k + 1, k + 2, k + 3]  # same step
+    log = second.log.read_text()
+    assert f"resumed from {ckpt} at step {k}" in log
+    run2 = _lines(audit2)
+    last = run2[-1]["step"]
+    assert [r["step"] for r in run2] == list(range(k + 1, last + 1))  # same step
+    assert f"stopped at step {last} (SIGTERM)" in log
     effective = [p for r in run1 if r["step"] <= k for p in r["prompt_ids"]] + \
                 [p for r in run2 for p in r["prompt_ids"]]
     assert len(effective) == len(set(effective))  # nothing trained twice
-    final = json.loads((second.run_dir / "checkpoints" / f"step_{k + 3}" / "run_state.json").read_text())
+    final = json.loads((second.run_dir / "checkpoints" / f"step_{last}" / "run_state.json").read_text())
     coord = final["coordinator"]
-    assert sorted(coord["trained"]) == sorted(effective)
-    assert sorted(ckpt_state["coordinator"]["trained"]) == sorted(effective[:len(effective) - 3 * 2])
+    assert final["step"] == last and sorted(coord["trained"]) == sorted(effective)
+    assert sorted(ckpt_state["coordinator"]["trained"]) == sorted(effective[:k * 2])
     # Nothing lost: every prompt the cursor handed out is trained or waiting to be re-issued.
     assert coord["epoch"] == 0 and len(set(coord["trained"]) | set(coord["pending"])) == coord["position"]
     assert coord["position"] >= ckpt_state["coordinator"]["position"]

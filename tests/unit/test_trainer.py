@@ -158,3 +158,25 @@ def test_learner_entry_splits_torchrun_flags_from_overrides():
     assert overrides == ["learner.num_ranks=4", "run.run_dir=x"]
     with pytest.raises(SystemExit, match="unknown flag '--bogus'"):
         split_args(["--bogus"])
+
+
+def test_metrics_logger_writes_jsonl_tensorboard_and_serves_prometheus(tmp_path):
+    import socket
+    import urllib.request
+
+    from dapo.plots import read_metrics
+    from learner.metrics import MetricsLogger
+
+    with socket.socket() as s:  # a free port for the endpoint (the logger binds it right after)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    m = MetricsLogger(tmp_path, prometheus_port=port)
+    m.log(1, {"train/loss": 0.5, "time/train_s": 2.0})
+    m.log(2, {"train/loss": 0.25, "eval/accuracy": 0.75})
+    page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    m.close()
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2] and records[1]["eval/accuracy"] == 0.75
+    assert records[0]["time_s"] <= records[1]["time_s"]
+    assert "dapo_learner_train_loss 0.25" in page and "dapo_learner_eval_accuracy 0.75" in page
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
