@@ -189,7 +189,8 @@ class PackedMicroBatch:
     def to_rows(self, values: torch.Tensor) -> torch.Tensor:
         """[K] per-token values -> [S, L] rows (zeros where no loss token), for policy_loss."""
         rows = values.new_zeros(self.num_seqs, max(self.max_loss_tokens, 1))
-        return rows.index_put((self.seq_of_token, self.slot_of_token), values)
+        index = (self.seq_of_token.to(values.device), self.slot_of_token.to(values.device))
+        return rows.index_put(index, values)
 
     def row_mask(self) -> torch.Tensor:
         return self.to_rows(torch.ones(self.target_ids.numel()))

@@ -81,7 +81,7 @@ def run(cfg: DapoConfig, trainer: Trainer, services: Rank0Services | None, *, st
     while not cfg.learner.total_steps or step < cfg.learner.total_steps:
         t, t_step = {}, time.perf_counter()
         with timed(t, "wait_batch"):
-            groups = next_batch(cfg, services, stop)
+            groups = next_batch(cfg, services, stop, trainer.device)
         if groups is None:
             break
         with timed(t, "scatter"):
@@ -112,7 +112,8 @@ def run(cfg: DapoConfig, trainer: Trainer, services: Rank0Services | None, *, st
     return step
 
 
-def next_batch(cfg: DapoConfig, services: Rank0Services | None, stop: StopFlag) -> list | None:
+def next_batch(cfg: DapoConfig, services: Rank0Services | None, stop: StopFlag,
+               device: torch.device) -> list | None:
     """Rank 0 waits for N groups in slices, broadcasting WAIT between slices so the other ranks'
     collective timeout never fires while actors are slow; BATCH, STOP or ERROR ends the wait."""
     # Short slices: a SIGTERM is acted on within ~1 s (torchrun SIGKILLs ranks 30 s after SIGTERM).
@@ -120,7 +121,7 @@ def next_batch(cfg: DapoConfig, services: Rank0Services | None, stop: StopFlag) 
     deadline = time.monotonic() + cfg.learner.batch_wait_timeout_s
     error: BaseException | None = None
     while True:
-        ctrl, groups = torch.tensor([WAIT], dtype=torch.int64), None
+        ctrl, groups = torch.tensor([WAIT], dtype=torch.int64, device=device), None  # NCCL: on the GPU
         if services is not None:
             if stop.reason:
                 ctrl[0] = STOP
@@ -134,6 +135,7 @@ def next_batch(cfg: DapoConfig, services: Rank0Services | None, stop: StopFlag) 
                 except Exception as exc:  # noqa: BLE001 - e.g. DynamicSamplingStalled: stop all ranks cleanly
                     error, ctrl[0] = exc, ERROR
         dist.broadcast(ctrl, 0)
+        ctrl = ctrl.cpu()
         if ctrl[0] == BATCH:
             return groups if services is not None else []
         if ctrl[0] == STOP:

@@ -22,6 +22,7 @@ computed at once (tests/unit/test_trainer.py checks ≤ 1e-5).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -216,7 +217,9 @@ class Trainer:
 
     def train_step(self, shard: RankShard) -> dict[str, float]:
         """One training step (all mini-batches of a batch). Returns metrics, identical on all ranks."""
+        t0 = time.perf_counter()
         prox = self.recompute_prox(shard)
+        prox_s = time.perf_counter() - t0
         sums = dict.fromkeys(_SUMS, 0.0)
         grad_norms = []
         for m in range(shard.num_minibatches):
@@ -231,7 +234,7 @@ class Trainer:
         out = {f"train/{k}": tot[k] / n for k in _SUMS if k not in ("loss", "tokens")}
         out.update({"train/loss": tot["loss"] / shard.num_minibatches, "train/loss_tokens": tot["tokens"],
                     "train/grad_norm": sum(grad_norms) / len(grad_norms), "train/grad_norm_max": max(grad_norms),
-                    "train/lr": lr, "train/num_updates": float(shard.num_minibatches)})
+                    "train/lr": lr, "train/num_updates": float(shard.num_minibatches), "time/prox_logp_s": prox_s})
         return out
 
     # ------------------------------------------------------------------ weights
