@@ -11,11 +11,17 @@ Pipeline (``ensure_tiny_model``), deterministic for a seed:
    so that every model id decodes; a ChatML chat template. Every digit is its own token.
 2. Model: ``Qwen2ForCausalLM`` (see ``RECIPE``: head_dim 32, the smallest vLLM's CPU attention
    supports; tied embeddings), random init from the seed.
-3. Warm start: ``RECIPE["sft_steps"]`` steps of supervised training on worked solutions of
-   train-split problems (loss on response tokens only), a fraction of them verbose (they run past
-   the response limit). Deliberately short: the greedy answer is mostly right but sampling at
-   temperature 1 is right only ~0.2-0.35 of the time, so RL starts from mixed groups and has
-   real work (sharpening, dropping the verbose mode). Numbers are in the README notes.
+3. Warm start (``warm_start``), supervised, on train-split problems only (loss on response
+   tokens), in two phases (``RECIPE["sft_skill"]``, ``RECIPE["sft_noise"]``):
+   a. *skill*: clean worked solutions, in cosine-schedule rounds until a round ends with the
+      training loss below a target (the greedy answer is then right; seed 0 needs one round);
+   b. *noise*: a short phase on worked solutions whose column sums are wrong with probability
+      ``step_error_prob`` and of which a fraction ``verbose_prob`` is verbose (the columns
+      worked twice: past the response limit). The model now samples (temperature 1) a wrong
+      column sum or a runaway response at about that rate: held-out accuracy at temperature 1
+      starts at ~0.2-0.35 while greedy stays right. RL removes this noise quickly (it sharpens a
+      skill the model has), which is what lets ``dapo run`` learn in minutes; an under-trained
+      skill (fewer phase-a steps) makes RL several times slower.
 
 The folder is cached under ``cache_dir`` keyed by a hash of the recipe and the seed; it is built
 in a temporary folder and renamed into place, so concurrent builders and interrupted builds never
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import random
@@ -37,10 +44,12 @@ from typing import Any
 
 from dapo import task
 
+log = logging.getLogger(__name__)
+
 BUILTIN_MODEL = "builtin:tiny"
 
 RECIPE: dict[str, Any] = {
-    "version": 1,
+    "version": 3,
     "vocab_size": 384,
     "hidden_size": 128,
     "intermediate_size": 256,
@@ -51,16 +60,22 @@ RECIPE: dict[str, Any] = {
     "rope_theta": 10000.0,
     "sft_batch_size": 32,
     "sft_warmup_steps": 30,
-    # Phase 1 learns the skill on clean worked solutions; phase 2 (short) teaches the sampling
-    # distribution to write a wrong column sum / a verbose response at a set rate, which fixes
-    # the warm-start accuracy at temperature 1 whatever phase 1 reached.
-    "sft_phases": [
-        {"steps": 400, "lr": 3e-3, "step_error_prob": 0.0, "verbose_prob": 0.1},
-        {"steps": 100, "lr": 1e-3, "step_error_prob": 0.3, "verbose_prob": 0.1},
-    ],
+    # Phase a (skill): rounds of clean worked solutions, each a warm-up then a cosine decay of
+    # the lr to 0, until a round ends with the training loss (mean of its last 50 steps) below
+    # target_loss. When a small transformer "gets" column addition varies with the seed (the
+    # loss drops suddenly, anywhere in ~300-800 steps), so one fixed-length schedule was not
+    # robust; seed 0 (the default) needs one round.
+    "sft_skill": {"lr": 3e-3, "round_steps": 450, "max_rounds": 3, "target_loss": 0.01,
+                  "verbose_prob": 0.0},
+    # Phase b (noise): sets the temperature-1 accuracy RL starts from (see the module docstring).
+    "sft_noise": {"steps": 100, "lr": 1e-3, "step_error_prob": 0.25, "verbose_prob": 0.1},
 }
 """Everything that determines the built model; its hash names the cache folder. Change a value
 (or bump ``version`` when the code changes what is built) and a new folder is built."""
+
+SFT_MAX_RESPONSE_TOKENS = 56
+"""Warm-start responses are cut here (verbose ones are ~65 tokens): past the default
+``actor.max_response_tokens`` (48) plus a margin, so the model learns to run past the limit."""
 
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 CHAT_TEMPLATE = (
@@ -145,16 +160,18 @@ def _sft_batch(tokenizer: Any, problems: list[tuple[int, int]], rng: random.Rand
     """(input ids, attention mask, loss mask over targets) of one warm-start batch."""
     import torch
 
-    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
-    seqs, masks = [], []
-    for a, b in problems:
-        response = task.worked_solution(a, b, rng=rng, step_error_prob=phase["step_error_prob"],
-                                        verbose=rng.random() < phase["verbose_prob"])
-        prompt_ids = tokenizer(render_builtin_prompt(tokenizer, a, b))["input_ids"]
-        response_ids = tokenizer(response)["input_ids"] + [eos_id]
-        seqs.append(prompt_ids + response_ids)
-        masks.append([0.0] * len(prompt_ids) + [1.0] * len(response_ids))
+    prompts = [render_builtin_prompt(tokenizer, a, b) for a, b in problems]
+    responses = [task.worked_solution(a, b, rng=rng, step_error_prob=phase["step_error_prob"],
+                                      verbose=rng.random() < phase["verbose_prob"]) + EOS_TOKEN
+                 for a, b in problems]
+    # One batched call each (the per-call overhead dominated the step time otherwise).
+    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    response_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
+    # Generation stops at actor.max_response_tokens anyway: what a verbose response says past
+    # SFT_MAX_RESPONSE_TOKENS is never sampled, and training on it would only cost compute.
+    seqs = [p + r[:SFT_MAX_RESPONSE_TOKENS] for p, r in zip(prompt_ids, response_ids)]
+    masks = [[0.0] * len(p) + [1.0] * (len(s) - len(p)) for p, s in zip(prompt_ids, seqs)]
     width = max(len(s) for s in seqs)
     ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs])
     attn = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
@@ -162,45 +179,72 @@ def _sft_batch(tokenizer: Any, problems: list[tuple[int, int]], rng: random.Rand
     return ids, attn, loss_mask
 
 
-def warm_start(model: Any, tokenizer: Any, seed: int, *, progress: bool = True) -> list[float]:
-    """Supervised warm start on the built-in task (in place, phases of ``RECIPE``); returns the
-    loss per step. Train-split problems only: the eval split stays held out."""
+def _sft_step(model: Any, opt: Any, batch: tuple[Any, Any, Any]) -> float:
     import torch
     import torch.nn.functional as F
+
+    ids, attn, mask = batch
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                          reduction="none").view_as(mask)
+    loss = (nll * mask).sum() / mask.sum()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss.item()
+
+
+def warm_start(model: Any, tokenizer: Any, seed: int, *, progress: bool = True) -> dict[str, Any]:
+    """Supervised warm start on the built-in task, in place (phases a and b of ``RECIPE``, see
+    the module docstring). Train-split problems only: the eval split stays held out. Returns
+    what happened (steps per phase, final losses, whether phase a reached its target)."""
+    import torch
     from tqdm import tqdm
 
-    phases, batch_size = RECIPE["sft_phases"], RECIPE["sft_batch_size"]
-    total = sum(p["steps"] for p in phases)
-    problems = task.sample_problems("train", total * batch_size, seed=seed + 1_000_000)
+    skill, noise, batch_size = RECIPE["sft_skill"], RECIPE["sft_noise"], RECIPE["sft_batch_size"]
+    problems = iter(task.sample_problems("train", (skill["max_rounds"] * skill["round_steps"] + noise["steps"]) * batch_size,
+                                         seed=seed + 1_000_000))
     rng = random.Random(f"dapo-tiny-sft/{seed}")
+    clean = {"step_error_prob": 0.0, "verbose_prob": skill["verbose_prob"]}
     torch.manual_seed(seed)
     model.train()
-    losses: list[float] = []
-    bar = tqdm(total=total, desc="warm-starting the tiny model", unit="step", disable=not progress,
-               mininterval=1.0)
-    for phase in phases:
-        opt = torch.optim.AdamW(model.parameters(), lr=phase["lr"], betas=(0.9, 0.98), weight_decay=0.0)
-        steps = phase["steps"]
-        for step in range(steps):
-            # Linear warm-up, then cosine decay to 0, per phase.
-            scale = min(1.0, (step + 1) / RECIPE["sft_warmup_steps"]) * 0.5 * (1 + math.cos(math.pi * step / steps))
-            for group in opt.param_groups:
-                group["lr"] = phase["lr"] * scale
-            k = len(losses)
-            ids, attn, mask = _sft_batch(tokenizer, problems[k * batch_size:(k + 1) * batch_size], rng, phase)
-            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-            nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                                  reduction="none").view_as(mask)
-            loss = (nll * mask).sum() / mask.sum()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            losses.append(loss.item())
-            bar.update(1)
-    bar.close()
+
+    def next_batch(phase: dict[str, Any]) -> tuple[Any, Any, Any]:
+        return _sft_batch(tokenizer, [next(problems) for _ in range(batch_size)], rng, phase)
+
+    rounds, skill_loss, round_steps = 0, float("inf"), skill["round_steps"]
+    with tqdm(desc="warm start (a: skill)", unit="step", disable=not progress, mininterval=1.0) as bar:
+        while rounds < skill["max_rounds"] and skill_loss >= skill["target_loss"]:
+            opt = torch.optim.AdamW(model.parameters(), lr=skill["lr"], betas=(0.9, 0.98), weight_decay=0.0)
+            losses = []
+            for step in range(round_steps):
+                warmup = min(1.0, (step + 1) / RECIPE["sft_warmup_steps"])
+                for group in opt.param_groups:
+                    group["lr"] = skill["lr"] * warmup * 0.5 * (1 + math.cos(math.pi * step / round_steps))
+                losses.append(_sft_step(model, opt, next_batch(clean)))
+                bar.update(1)
+                if step % 10 == 0:
+                    bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+            rounds += 1
+            skill_loss = sum(losses[-50:]) / len(losses[-50:])
+    converged = skill_loss < skill["target_loss"]
+    if not converged:
+        log.warning("tiny-model warm start: the skill phase ended after %d rounds at loss %.3f "
+                    "(target %.3f); RL from this model will be slow", rounds, skill_loss,
+                    skill["target_loss"])
+    opt = torch.optim.AdamW(model.parameters(), lr=noise["lr"], betas=(0.9, 0.98), weight_decay=0.0)
+    noise_loss = float("nan")
+    for step in tqdm(range(noise["steps"]), desc="warm start (b: noise)", unit="step",
+                     disable=not progress, mininterval=1.0):
+        # Warm-up, then cosine decay to 0: the phase ends on the noisy distribution.
+        warmup = min(1.0, (step + 1) / RECIPE["sft_warmup_steps"])
+        for group in opt.param_groups:
+            group["lr"] = noise["lr"] * warmup * 0.5 * (1 + math.cos(math.pi * step / noise["steps"]))
+        noise_loss = _sft_step(model, opt, next_batch(noise))
     model.eval()
-    return losses
+    return {"skill_steps": rounds * round_steps, "skill_loss": skill_loss, "skill_converged": converged,
+            "noise_steps": noise["steps"], "noise_final_loss": noise_loss}
 
 
 def _write_folder(out: Path, seed: int, progress: bool) -> None:
@@ -209,13 +253,13 @@ def _write_folder(out: Path, seed: int, progress: bool) -> None:
     t0 = time.monotonic()
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, seed)
-    losses = warm_start(model, tokenizer, seed, progress=progress)
+    stats = warm_start(model, tokenizer, seed, progress=progress)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     GenerationConfig(bos_token_id=model.config.bos_token_id, eos_token_id=model.config.eos_token_id,
                      pad_token_id=model.config.pad_token_id).save_pretrained(out)
     info = {"recipe": RECIPE, "seed": seed, "build_time_s": round(time.monotonic() - t0, 2),
-            "warm_start_final_loss": losses[-1] if losses else None}
+            "warm_start": stats}
     (out / "dapo_tiny.json").write_text(json.dumps(info, indent=2) + "\n")
 
 
