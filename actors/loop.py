@@ -1,20 +1,23 @@
 """The actor loop: lease prompts, generate, score, shape, push; follow the learner's weights.
 
 ```
-               learner rank 0                                      this actor
-  Coordinator (gRPC) ◄── Register / Leave ─────────────────────── connect() / leave()
-        │            ◄── Heartbeat (thread) ──► latest_version ──┐
-        │            ◄── Lease(weight_version) ── lease() ◄──────┤ update_weights() first when
-        │                                          │             │ the learner is ahead
-  weights (TCP / gRPC / collective) ─────────────────────────────┘ (and between chunks: inflight)
-                                                   ▼
-                                   generate()  engine: G samples per prompt, log-probs, versions
-                                                   ▼
-                                   score()     verifier worker process, deadline per response
-                                                   ▼
-                                   shape()     + overlong penalty -> TrajectoryGroup
-                                                   ▼
-  ReplayQueue (ZMQ PULL) ◄─────── push() ──── encode_group frames (PUSH, HWM, send deadline)
+  learner rank 0                           this actor (main thread: run(); one stage per call)
+  --------------                           ----------------------------------------------------
+  Coordinator (gRPC) <-- Register -------- connect()        backoff while the learner is down
+        ^    ^------ Heartbeat (thread) -> latest_version, shutdown
+        |                                       |
+  weights: TCP side channel / gRPC stream  --> update_weights()  before every lease when
+           collective broadcast (thread)  -->                    latest_version > engine.version
+        |                                       |                (inflight: also between chunks)
+        +------- Lease(weight_version) ---- lease()            refused -> wait retry_after_s
+                                                |
+                                           generate()          engine: G samples per prompt,
+                                                |              log-probs, per-token versions
+                                           score_and_shape()   verifier worker process with a
+                                                |              deadline; + overlong penalty
+  ReplayQueue (ZMQ PULL) <-- frames ------ push()              PUSH, HWM, send deadline;
+                                                               unsent -> ReturnLeases
+  Coordinator <-- Leave ------------------ leave()             on stop: leases go back
 ```
 
 Elastic: ``run()`` registers with backoff (the learner may not be up yet), and on
@@ -182,6 +185,8 @@ class Actor:
     def lease(self) -> list[pb.PromptLease]:
         """Lease prompts for the engine's current weights; waits (counted idle) when refused."""
         self.update_weights()  # never lease with weights the learner has already replaced
+        if self.stop.is_set():
+            return []
         session = self._session()
         with self.metrics.stage("lease"):
             resp = self.client.call("Lease", pb.LeaseRequest(actor_id=session.actor_id,
@@ -276,7 +281,8 @@ class Actor:
 
     def _heartbeat_loop(self, session: Session) -> None:
         while not session.closed.wait(session.run.heartbeat_interval_s):
-            counters = pb.ActorCounters(**{k: self.metrics.counters[k] for k in pb.ActorCounters.DESCRIPTOR.fields_by_name})
+            names = pb.ActorCounters.DESCRIPTOR.fields_by_name
+            counters = pb.ActorCounters(**{k: self.metrics.counters[k] for k in names})
             try:
                 resp = self.client.call("Heartbeat", pb.HeartbeatRequest(
                     actor_id=session.actor_id, weight_version=self.engine.version, counters=counters))

@@ -81,8 +81,10 @@ class ActorMetrics:
                 f"tok/s={s['actor/tokens_per_s']:.0f} (generating {s['actor/generate_tokens_per_s']:.0f}) "
                 f"groups/s={s['actor/groups_per_s']:.2f} idle lease={s['idle/lease_wait_s']:.1f}s "
                 f"weights={s['idle/weight_wait_s']:.1f}s weight_loads={int(s['actor/weight_loads'])} "
-                f"(collective {int(s['actor/weight_loads_collective'])}) verifier_errors={int(s['actor/verifier_errors'])} "
-                f"push_failures={int(s['actor/push_failures'])}")
+                f"(collective {int(s['actor/weight_loads_collective'])}) "
+                f"verifier_errors={int(s['actor/verifier_errors'])} "
+                f"push_failures={int(s['actor/push_failures'])} time/ "
+                + " ".join(f"{k[5:-2]}={v:.1f}s" for k, v in sorted(s.items()) if k.startswith("time/")))
 
 
 def prometheus_name(key: str) -> str:
