@@ -4,6 +4,7 @@ register again, and the wire group it builds (overlong shaping, per-token versio
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import numpy as np
@@ -33,7 +34,7 @@ class FakeEngine(Engine):
         super().__init__(version=0)
         self.during_generate = lambda: None
         self.loaded: list[int] = []
-        self._lengths = iter([3, 6] * 1000)
+        self._lengths = itertools.cycle([3, 6])
 
     def _sample(self, sequences, n, max_tokens, temperature, top_p, seed):
         self.during_generate()
@@ -262,3 +263,24 @@ def test_inflight_mode_loads_between_chunks_and_tags_the_pushed_tokens(make_acto
     for g in groups:
         assert g.response_lengths.tolist() == [6, 6]
         assert g.token_versions().tolist() == [0, 0, 1, 1, 1, 1] * 2
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("how", ["heartbeat", "lease_denial"])
+def test_learner_shutdown_makes_the_actor_leave(make_actor, how):
+    client = FakeClient()
+    actor, engine, _ = make_actor(client)
+    if how == "lease_denial":
+        client.lease_script = [pb.LeaseResponse(denial=pb.LEASE_DENIAL_SHUTTING_DOWN)]
+    else:
+        real_call = client.call
+
+        def call(method, request, timeout_s=None):
+            if method == "Heartbeat":
+                client.calls.append((method, request))
+                return pb.HeartbeatResponse(latest_version=0, shutdown=True)
+            return real_call(method, request, timeout_s)
+
+        client.call = call
+    assert actor.run() == 0  # returns on its own: no test-side stop
+    assert actor.stop.is_set() and len(client.named("Leave")) == 1
