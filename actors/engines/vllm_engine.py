@@ -10,11 +10,21 @@ See /work/shared/reference/vllm-on-cpu.md §5.
 from __future__ import annotations
 
 import gc
+import logging
 from typing import Mapping
 
 import torch
 
 from actors.engines.base import Engine, RawSample, stop_token_ids
+
+
+class _DropRecord(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefix)
 
 
 class VllmEngine(Engine):
@@ -29,9 +39,17 @@ class VllmEngine(Engine):
         # enforce_eager: no torch.compile / CUDA graphs (seconds, not minutes, to start).
         # skip_tokenizer_init: the engine sees ids only; the actor loop owns the tokenizer.
         # processed_logprobs: log-probs after temperature / top-p, i.e. of what was sampled.
-        self._llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len_tokens,
-                        enforce_eager=True, seed=seed, skip_tokenizer_init=True,
-                        logprobs_mode="processed_logprobs", enable_prefix_caching=True)
+        # vLLM warms up a chat template at start-up even without a tokenizer and logs the
+        # resulting ValueError with a traceback; nothing is wrong, so drop that one record.
+        noise = logging.getLogger("vllm.renderers.base")
+        drop = _DropRecord("Chat template warmup failed")
+        noise.addFilter(drop)
+        try:
+            self._llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len_tokens,
+                            enforce_eager=True, seed=seed, skip_tokenizer_init=True,
+                            logprobs_mode="processed_logprobs", enable_prefix_caching=True)
+        finally:
+            noise.removeFilter(drop)
 
     def _sample(self, sequences: list[list[int]], n: int, max_tokens: int, temperature: float,
                 top_p: float, seed: int) -> list[list[RawSample]]:
