@@ -126,6 +126,7 @@ def next_batch(cfg: DapoConfig, services: Rank0Services | None, stop: StopFlag,
             if stop.reason:
                 ctrl[0] = STOP
             else:
+                services.publisher.sync_new_members()  # bounded by learner.weight_sync_timeout_s
                 try:
                     groups = services.replay.get_batch(min(slice_s, max(deadline - time.monotonic(), 0.01)))
                     ctrl[0] = BATCH

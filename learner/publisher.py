@@ -261,6 +261,9 @@ class CollectiveBroadcaster:
         return {"weights/collective_members": float(len(names)), "time/collective_group_s": t1 - t0,
                 "time/collective_transfer_s": t2 - t1}
 
+    def has_new_joins(self) -> bool:
+        return self.store.add("join_seq", 0) > self._seen_tickets
+
     def acks(self, sync_index: int) -> dict[str, dict]:
         """Timings the actors reported for a past sync (those that have reported)."""
         out = {}
@@ -319,6 +322,22 @@ class WeightPublisher:
                 self.last_collective_error = exc
                 out["weights/collective_error"] = 1.0
         return out
+
+    def sync_new_members(self) -> dict[str, float]:
+        """Push the latest version again when actors joined the collective group since the last
+        sync, so that a new actor does not wait for the next training step (which, when every
+        actor is new, would never come). Called by the loop while it waits for a batch."""
+        if self.collective is None or not self.collective.has_new_joins():
+            return {}
+        latest = self.store.latest()
+        if latest is None:
+            return {}
+        with self.store.acquire(latest.version) as held:
+            try:
+                return self.collective.broadcast(held.buf, held.manifest)
+            except CollectiveSyncError as exc:
+                self.last_collective_error = exc
+                return {"weights/collective_error": 1.0}
 
     # ---- the WeightSource hook of learner/service.py
 

@@ -232,3 +232,27 @@ def test_collective_path_two_versions_and_corruption_repair():
         assert all(torch.equal(out1[k], sd[k]) for k in sd) and all(torch.equal(out2[k], sd2[k]) for k in sd)
     finally:
         pub.close()
+
+
+def test_collective_new_member_gets_the_latest_version_without_a_new_publish():
+    import time
+
+    pub = _publisher(collective_port=0, bucket_bytes=1 << 20)
+    sd = _state_dict()
+    pub.publish(sd, version=7)  # nobody has joined yet
+    got = []
+    th = threading.Thread(target=lambda: got.append(CollectiveWeightReceiver(
+        "127.0.0.1", pub.collective.port, "late", timeout_s=10.0).receive()))
+    th.start()
+    try:
+        deadline = time.monotonic() + 20
+        while th.is_alive():
+            assert time.monotonic() < deadline
+            m = pub.sync_new_members()  # what the loop does while it waits for a batch
+            assert "weights/collective_error" not in m, str(pub.last_collective_error)
+            th.join(0.05)
+        (version, out, stats), = got
+        assert version == 7 and all(torch.equal(out[k], sd[k]) for k in sd)
+        assert pub.sync_new_members() == {}  # no new joins: nothing to do
+    finally:
+        pub.close()
