@@ -150,10 +150,11 @@ class Trainer:
         for m in range(shard.num_minibatches):
             for u in range(shard.num_microbatches):
                 mb = shard.micro(m, u)
-                if self.settings.algorithm.prox_logp == "bypass" or mb.is_empty:
+                if self.settings.algorithm.prox_logp == "bypass":
                     prox[(m, u)] = mb.sampler_logp.to(self.device)
-                else:
-                    prox[(m, u)] = self.logprobs(mb)[0].detach()
+                    continue
+                logp = self.logprobs(mb)[0].detach()  # an empty micro-batch still runs FSDP's collectives
+                prox[(m, u)] = mb.sampler_logp.to(self.device) if mb.is_empty else logp
         return prox
 
     # ------------------------------------------------------------------ update

@@ -43,10 +43,10 @@ def random_batch(seed: int = 1, num_groups: int = 4, group_size: int = 3) -> Sam
                        torch.randn(num_groups * group_size, generator=g))
 
 
-def _settings(agg: str):
+def _settings(agg: str, prox_logp: str = "bypass"):
     from learner.trainer import TrainerSettings
 
-    alg = AlgorithmConfig(loss_agg=agg, prox_logp="bypass", num_prompts_per_step=4, num_minibatches_per_step=1)
+    alg = AlgorithmConfig(loss_agg=agg, prox_logp=prox_logp, num_prompts_per_step=4, num_minibatches_per_step=1)
     return TrainerSettings(lr=1e-2, weight_decay=0.0, warmup_steps=0, grad_clip=0.0, temperature=0.7,
                            token_sum_norm=16.0, algorithm=alg)
 
@@ -98,6 +98,14 @@ def _worker(rank: int, world: int, init_file: str, budgets: list[int], out_dir: 
             if rank == 0:
                 torch.save({"loss": float(loss), "grads": grads, "micro": shard.num_microbatches},
                            Path(out_dir) / f"{agg}-w{world}-b{budget}.pt")
+    # One sequence on 2 ranks: rank 1 runs only empty micro-batches (recompute mode: its π_prox and
+    # training forwards must still join FSDP's collectives), and a whole train_step goes through.
+    one = random_batch(seed=3, num_groups=1, group_size=1)
+    trainer = Trainer(tiny_model(), _settings("token-mean", "recompute"), torch.device("cpu"))
+    shard = scatter_batch(one if rank == 0 else None, num_minibatches=1, max_tokens_per_microbatch=1000)
+    metrics = trainer.train_step(shard)
+    if rank == 0:
+        torch.save(metrics, Path(out_dir) / f"one-w{world}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -147,6 +155,10 @@ def test_loss_and_grads_equal_across_ranks_microbatches_and_packings(tmp_path):
             for name, g in ref_grads.items():
                 torch.testing.assert_close(run["grads"][name], g, rtol=0, atol=1e-5, msg=lambda m: f"{agg} {name}: {m}")
         assert any(float(g.abs().max()) > 1e-3 for g in ref_grads.values())  # gradients are not trivially 0
+    one1, one2 = torch.load(tmp_path / "one-w1.pt"), torch.load(tmp_path / "one-w2.pt")
+    for key in ("train/loss", "train/grad_norm", "train/entropy", "train/loss_tokens"):
+        assert abs(one1[key] - one2[key]) <= 1e-5, (key, one1[key], one2[key])
+    assert one1["train/grad_norm"] > 0
 
 
 def test_learner_entry_splits_torchrun_flags_from_overrides():
