@@ -192,3 +192,43 @@ def test_metrics_logger_writes_jsonl_tensorboard_and_serves_prometheus(tmp_path)
     assert records[0]["time_s"] <= records[1]["time_s"]
     assert "dapo_learner_train_loss 0.25" in page and "dapo_learner_eval_accuracy 0.75" in page
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def _resume_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from learner import checkpoint
+    from learner.trainer import Trainer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    batches = [random_batch(seed=s) for s in (11, 12)]
+
+    def shard(b):
+        return scatter_batch(b if rank == 0 else None, num_minibatches=2, max_tokens_per_microbatch=40)
+
+    a = Trainer(tiny_model(), _settings("token-mean", "recompute"), torch.device("cpu"))
+    a.train_step(shard(batches[0]))
+    checkpoint.save(out_dir, 1, a.model, a.optimizer, a.scheduler, {"step": 1}, None)
+    a.train_step(shard(batches[1]))
+    b = Trainer(tiny_model(seed=5), _settings("token-mean", "recompute"), torch.device("cpu"))  # other init
+    state = checkpoint.load(checkpoint.latest_checkpoint(out_dir), b.model, b.optimizer, b.scheduler)
+    b.train_step(shard(batches[1]))
+    sd_a, sd_b = a.full_state_dict(), b.full_state_dict()
+    if rank == 0:
+        torch.save({"a": sd_a, "b": sd_b, "state": state}, Path(out_dir) / "resume.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_checkpoint_resume_continues_the_same_trajectory_on_two_ranks(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_resume_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    out = torch.load(tmp_path / "resume.pt")
+    assert out["state"] == {"step": 1}
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_1"]  # the tmp dir was renamed
+    for k, v in out["a"].items():
+        torch.testing.assert_close(out["b"][k], v, rtol=0, atol=1e-6, msg=lambda m: f"{k}: {m}")
