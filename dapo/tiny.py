@@ -11,10 +11,11 @@ Pipeline (``ensure_tiny_model``), deterministic for a seed:
    so that every model id decodes; a ChatML chat template. Every digit is its own token.
 2. Model: ``Qwen2ForCausalLM`` (see ``RECIPE``: head_dim 32, the smallest vLLM's CPU attention
    supports; tied embeddings), random init from the seed.
-3. Warm start (``warm_start``), supervised, on train-split problems only (loss on response
+3. Warm start (``warm_started_model``), supervised, on train-split problems only (loss on response
    tokens), in two phases (``RECIPE["sft_skill"]``, ``RECIPE["sft_noise"]``):
-   a. *skill*: clean worked solutions, in cosine-schedule rounds until a round ends with the
-      training loss below a target (the greedy answer is then right; seed 0 needs one round);
+   a. *skill*: clean worked solutions until the training loss is below a target (the greedy
+      answer is then right); an init that has not got there within the budget is restarted
+      from a fresh init (seed 0, the default, gets there on its first attempt);
    b. *noise*: a short phase on worked solutions whose column sums are wrong with probability
       ``step_error_prob`` and of which a fraction ``verbose_prob`` is verbose (the columns
       worked twice: past the response limit). The model now samples (temperature 1) a wrong
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 BUILTIN_MODEL = "builtin:tiny"
 
 RECIPE: dict[str, Any] = {
-    "version": 3,
+    "version": 4,
     "vocab_size": 384,
     "hidden_size": 128,
     "intermediate_size": 256,
@@ -60,12 +61,12 @@ RECIPE: dict[str, Any] = {
     "rope_theta": 10000.0,
     "sft_batch_size": 32,
     "sft_warmup_steps": 30,
-    # Phase a (skill): rounds of clean worked solutions, each a warm-up then a cosine decay of
-    # the lr to 0, until a round ends with the training loss (mean of its last 50 steps) below
-    # target_loss. When a small transformer "gets" column addition varies with the seed (the
-    # loss drops suddenly, anywhere in ~300-800 steps), so one fixed-length schedule was not
-    # robust; seed 0 (the default) needs one round.
-    "sft_skill": {"lr": 3e-3, "round_steps": 450, "max_rounds": 3, "target_loss": 0.01,
+    # Phase a (skill): clean worked solutions, a warm-up then a cosine decay of the lr to 0.
+    # Whether a small transformer "gets" column addition within the budget depends on its
+    # random init (the loss drops suddenly, at a seed-dependent step; training a stuck init
+    # longer did not help), so an attempt whose last 50 steps average above target_loss is
+    # restarted from a fresh init (seed derived from the run seed and the attempt number).
+    "sft_skill": {"lr": 3e-3, "steps": 450, "max_attempts": 4, "target_loss": 0.01,
                   "verbose_prob": 0.0},
     # Phase b (noise): sets the temperature-1 accuracy RL starts from (see the module docstring).
     "sft_noise": {"steps": 100, "lr": 1e-3, "step_error_prob": 0.25, "verbose_prob": 0.1},
@@ -195,56 +196,65 @@ def _sft_step(model: Any, opt: Any, batch: tuple[Any, Any, Any]) -> float:
     return loss.item()
 
 
-def warm_start(model: Any, tokenizer: Any, seed: int, *, progress: bool = True) -> dict[str, Any]:
-    """Supervised warm start on the built-in task, in place (phases a and b of ``RECIPE``, see
-    the module docstring). Train-split problems only: the eval split stays held out. Returns
-    what happened (steps per phase, final losses, whether phase a reached its target)."""
+def _init_seed(seed: int, attempt: int) -> int:
+    """Init seed of skill-phase attempt ``attempt`` (0 for the first: the run seed itself)."""
+    return seed if attempt == 0 else seed + 7919 * attempt
+
+
+def _lr_at(step: int, steps: int, lr: float) -> float:
+    """Linear warm-up, then cosine decay to 0 at the end of the phase."""
+    return lr * min(1.0, (step + 1) / RECIPE["sft_warmup_steps"]) * 0.5 * (1 + math.cos(math.pi * step / steps))
+
+
+def _train_phase(model: Any, tokenizer: Any, problems: Any, rng: random.Random, phase: dict[str, Any],
+                 steps: int, lr: float, bar: Any) -> list[float]:
     import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+    losses = []
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr_at(step, steps, lr)
+        batch = _sft_batch(tokenizer, [next(problems) for _ in range(RECIPE["sft_batch_size"])], rng, phase)
+        losses.append(_sft_step(model, opt, batch))
+        bar.update(1)
+        if step % 10 == 0:
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+    return losses
+
+
+def warm_started_model(tokenizer: Any, seed: int, *, progress: bool = True) -> tuple[Any, dict[str, Any]]:
+    """A new model warm-started on the built-in task (phases a and b of ``RECIPE``, see the
+    module docstring), and what happened. Train-split problems only: the eval split stays
+    held out."""
     from tqdm import tqdm
 
-    skill, noise, batch_size = RECIPE["sft_skill"], RECIPE["sft_noise"], RECIPE["sft_batch_size"]
-    problems = iter(task.sample_problems("train", (skill["max_rounds"] * skill["round_steps"] + noise["steps"]) * batch_size,
-                                         seed=seed + 1_000_000))
-    rng = random.Random(f"dapo-tiny-sft/{seed}")
+    skill, noise = RECIPE["sft_skill"], RECIPE["sft_noise"]
     clean = {"step_error_prob": 0.0, "verbose_prob": skill["verbose_prob"]}
-    torch.manual_seed(seed)
-    model.train()
-
-    def next_batch(phase: dict[str, Any]) -> tuple[Any, Any, Any]:
-        return _sft_batch(tokenizer, [next(problems) for _ in range(batch_size)], rng, phase)
-
-    rounds, skill_loss, round_steps = 0, float("inf"), skill["round_steps"]
-    with tqdm(desc="warm start (a: skill)", unit="step", disable=not progress, mininterval=1.0) as bar:
-        while rounds < skill["max_rounds"] and skill_loss >= skill["target_loss"]:
-            opt = torch.optim.AdamW(model.parameters(), lr=skill["lr"], betas=(0.9, 0.98), weight_decay=0.0)
-            losses = []
-            for step in range(round_steps):
-                warmup = min(1.0, (step + 1) / RECIPE["sft_warmup_steps"])
-                for group in opt.param_groups:
-                    group["lr"] = skill["lr"] * warmup * 0.5 * (1 + math.cos(math.pi * step / round_steps))
-                losses.append(_sft_step(model, opt, next_batch(clean)))
-                bar.update(1)
-                if step % 10 == 0:
-                    bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
-            rounds += 1
+    with tqdm(desc="warming up the tiny model", unit="step", total=skill["steps"] + noise["steps"],
+              disable=not progress, mininterval=1.0) as bar:
+        for attempt in range(skill["max_attempts"]):
+            init_seed = _init_seed(seed, attempt)
+            model = build_model(tokenizer, init_seed)
+            model.train()
+            problems = iter(task.sample_problems("train", (skill["steps"] + noise["steps"]) * RECIPE["sft_batch_size"],
+                                                 seed=init_seed + 1_000_000))
+            rng = random.Random(f"dapo-tiny-sft/{init_seed}")
+            losses = _train_phase(model, tokenizer, problems, rng, clean, skill["steps"], skill["lr"], bar)
             skill_loss = sum(losses[-50:]) / len(losses[-50:])
-    converged = skill_loss < skill["target_loss"]
-    if not converged:
-        log.warning("tiny-model warm start: the skill phase ended after %d rounds at loss %.3f "
-                    "(target %.3f); RL from this model will be slow", rounds, skill_loss,
-                    skill["target_loss"])
-    opt = torch.optim.AdamW(model.parameters(), lr=noise["lr"], betas=(0.9, 0.98), weight_decay=0.0)
-    noise_loss = float("nan")
-    for step in tqdm(range(noise["steps"]), desc="warm start (b: noise)", unit="step",
-                     disable=not progress, mininterval=1.0):
-        # Warm-up, then cosine decay to 0: the phase ends on the noisy distribution.
-        warmup = min(1.0, (step + 1) / RECIPE["sft_warmup_steps"])
-        for group in opt.param_groups:
-            group["lr"] = noise["lr"] * warmup * 0.5 * (1 + math.cos(math.pi * step / noise["steps"]))
-        noise_loss = _sft_step(model, opt, next_batch(noise))
+            if skill_loss < skill["target_loss"]:
+                break
+            log.info("tiny-model warm start: attempt %d (init seed %d) ended at loss %.4f > %.4f; "
+                     "restarting from a fresh init", attempt, init_seed, skill_loss, skill["target_loss"])
+            bar.total += skill["steps"]
+        else:
+            log.warning("tiny-model warm start: no skill-phase attempt reached loss %.4f (last %.4f); "
+                        "RL from this model will be slow", skill["target_loss"], skill_loss)
+        noise_losses = _train_phase(model, tokenizer, problems, rng, noise, noise["steps"], noise["lr"], bar)
     model.eval()
-    return {"skill_steps": rounds * round_steps, "skill_loss": skill_loss, "skill_converged": converged,
-            "noise_steps": noise["steps"], "noise_final_loss": noise_loss}
+    return model, {"skill_attempts": attempt + 1, "init_seed": init_seed, "skill_loss": skill_loss,
+                   "skill_converged": skill_loss < skill["target_loss"],
+                   "noise_final_loss": noise_losses[-1] if noise_losses else None}
 
 
 def _write_folder(out: Path, seed: int, progress: bool) -> None:
@@ -252,8 +262,7 @@ def _write_folder(out: Path, seed: int, progress: bool) -> None:
 
     t0 = time.monotonic()
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, seed)
-    stats = warm_start(model, tokenizer, seed, progress=progress)
+    model, stats = warm_started_model(tokenizer, seed, progress=progress)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     GenerationConfig(bos_token_id=model.config.bos_token_id, eos_token_id=model.config.eos_token_id,

@@ -37,7 +37,7 @@ def test_recipe_hash_names_the_cache_folder():
 @pytest.fixture()
 def quick_recipe(monkeypatch):
     """A 2-step warm start: the build pipeline without the wait."""
-    monkeypatch.setitem(tiny.RECIPE, "sft_skill", {**tiny.RECIPE["sft_skill"], "round_steps": 2, "max_rounds": 1})
+    monkeypatch.setitem(tiny.RECIPE, "sft_skill", {**tiny.RECIPE["sft_skill"], "steps": 2, "max_attempts": 1})
     monkeypatch.setitem(tiny.RECIPE, "sft_noise", {**tiny.RECIPE["sft_noise"], "steps": 2})
 
 
