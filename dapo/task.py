@@ -12,14 +12,17 @@ verifiable (``verify``: the integer on the last ``Answer:`` line equals a + b).
 Why this task (the design constraints of the embedded default):
 - RL must start at 0.1-0.4 held-out accuracy and reach >= 0.8 in minutes on 2 CPU cores. From
   random init every group is all wrong and nothing is learned, so the tiny model is warm-started
-  by supervised training (``dapo.tiny``) on *noisy* worked solutions: each column sum is written
-  wrong with probability ``step_error_prob`` (the rest of the solution stays consistent with the
-  wrong sum), and some responses are ``verbose`` (the columns are worked twice, which runs past
-  the response-length limit). The warm-started model thus knows the format and the addition
-  facts but samples a wrong column or a runaway response often: groups have mixed accuracy and
-  RL has real work (sharpen the column sums, stop rambling), which it can do in minutes.
-- Overlong responses exist from the start (the verbose mode is ~70 tokens, past the default
-  ``actor.max_response_tokens`` = 48), so overlong shaping and filtering matter.
+  by supervised training (``dapo.tiny``): first on clean worked solutions until it has the
+  skill (greedy answers right), then briefly on *noisy* ones: each column sum is written wrong
+  with probability ``step_error_prob`` (the rest of the solution stays consistent with the wrong
+  sum) and some responses are ``verbose`` (the columns worked twice). The warm-started model
+  knows the format and the arithmetic but, sampled at temperature 1, writes a wrong column or a
+  runaway response often: groups have mixed accuracy and RL has real work (sharpen the column
+  sums, stop rambling), which it can do in minutes because the skill is there.
+- Overlong responses exist from the start (the verbose mode is 61-68 tokens, past the default
+  ``actor.max_response_tokens`` = 48, while a normal response is 33-37 tokens with EOS, below
+  the soft-punishment ramp that starts at 48 - ``algorithm.overlong_cache_tokens`` = 40), so
+  truncation, overlong shaping and filtering all matter.
 
 Train and eval problems are disjoint: a problem's split is a fixed hash of (a, b) (1 in 16 pairs
 is eval), independent of seeds and sizes.
