@@ -64,8 +64,13 @@ def engines(model_path):
     from actors.engines import make_engine
 
     built = {}
-    yield lambda kind: built.setdefault(kind, make_engine(kind, model_path, dtype="float32",
-                                                         max_model_len_tokens=512, seed=0))
+
+    def get(kind: str):
+        if kind not in built:  # one engine of each kind for the whole module
+            built[kind] = make_engine(kind, model_path, dtype="float32", max_model_len_tokens=512, seed=0)
+        return built[kind]
+
+    yield get
     for engine in built.values():
         engine.close()
 
