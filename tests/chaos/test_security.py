@@ -1,0 +1,165 @@
+"""Security gaps not covered elsewhere (see bench/RELIABILITY.md for the full map):
+
+- a ZMQ group with no token at all is dropped and counted (``auth``); the wrong-token case and
+  gRPC's wrong/missing token are in tests/integration/test_wire_services.py;
+- a CURVE replay queue refuses a plaintext sender (nothing reaches the decoder);
+- gRPC requests over ``transport.max_message_bytes`` are refused (RESOURCE_EXHAUSTED), counted
+  nowhere but never decoded;
+- the weight side channel (raw TCP, learner/publisher.py) survives garbage: random bytes, huge
+  length prefixes, undecodable and wrong-token requests, bad ranges, unknown versions, peers that
+  vanish mid-request; each is rejected or counted, and a valid fetch works afterwards.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import struct
+
+import grpc
+import msgpack
+import pytest
+import torch
+import zmq
+
+from dapo.wire import encode_group
+from protos import AUTH_METADATA_KEY
+from protos import coordinator_pb2 as pb
+from protos.client import CoordinatorClient
+from tests.integration.test_wire_services import make_group
+from tests.integration.wire_harness import TOKEN, Learner, make_cfg
+
+pytestmark = pytest.mark.slow
+
+NUM_SIDE_CHANNEL_CONNECTIONS = 2_000
+
+
+@pytest.mark.timeout(60)
+def test_zmq_group_without_token_is_dropped_and_counted() -> None:
+    learner = Learner(make_cfg(), 10)
+    client = CoordinatorClient(learner.target, TOKEN, timeout_s=5)
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    try:
+        reg = client.register("no-token")
+        lease = client.lease(reg.actor_id, 1, 0).leases[0]
+        frames = encode_group(make_group(reg.run_id, reg.actor_id, lease, 0), TOKEN)
+        header = msgpack.unpackb(frames[0], raw=False)
+        del header["token"]
+        push.connect(learner.queue.endpoint)
+        push.send_multipart([msgpack.packb(header, use_bin_type=True), *frames[1:]])
+        assert learner.queue.buffer.wait_until(lambda c: c.get("dropped/auth", 0) == 1, timeout_s=10)
+        assert learner.queue.counters().get("accepted", 0) == 0
+        push.send_multipart(frames)  # the same group with its token: accepted (the lease is still active)
+        assert learner.queue.buffer.wait_until(lambda c: c.get("accepted", 0) == 1, timeout_s=10)
+    finally:
+        push.close()
+        ctx.term()
+        client.close()
+        learner.close()
+
+
+@pytest.mark.timeout(60)
+def test_curve_queue_refuses_plaintext_senders_and_grpc_refuses_oversized_requests() -> None:
+    public, secret = zmq.curve_keypair()
+    cap = 64 << 10
+    cfg = make_cfg(transport=dict(curve_server_secret_key=secret.decode(), curve_server_public_key=public.decode(),
+                                  max_message_bytes=cap))
+    learner = Learner(cfg, 10)
+    client = CoordinatorClient(learner.target, TOKEN, timeout_s=5)
+    ctx = zmq.Context()
+    plain, curve = ctx.socket(zmq.PUSH), ctx.socket(zmq.PUSH)
+    for s in (plain, curve):
+        s.setsockopt(zmq.LINGER, 0)
+    try:
+        reg = client.register("curve")
+        leases = client.lease(reg.actor_id, 2, 0).leases
+        plain.connect(learner.queue.endpoint)
+        plain.setsockopt(zmq.SNDTIMEO, 1000)
+        # The handshake never completes, so the message stays queued on the sender's side.
+        plain.send_multipart(encode_group(make_group(reg.run_id, reg.actor_id, leases[0], 0), TOKEN))
+        client_public, client_secret = zmq.curve_keypair()
+        curve.curve_serverkey, curve.curve_publickey, curve.curve_secretkey = public, client_public, client_secret
+        curve.connect(learner.queue.endpoint)
+        curve.send_multipart(encode_group(make_group(reg.run_id, reg.actor_id, leases[1], 0), TOKEN))
+        # Ordering: once the CURVE sender's group is in, the plaintext one has had its chance.
+        assert learner.queue.buffer.wait_until(lambda c: c.get("accepted", 0) == 1, timeout_s=10)
+        counters = learner.queue.counters()
+        assert counters["received_messages"] == 1, counters
+        # gRPC: a request over the cap is refused before it is decoded.
+        channel = grpc.insecure_channel(learner.target, options=[("grpc.max_send_message_length", 4 * cap)])
+        with pytest.raises(grpc.RpcError) as info:
+            pb_big = pb.RegisterRequest(actor_name="x" * (2 * cap))
+            channel.unary_unary("/dapo.v1.Coordinator/Register")(pb_big.SerializeToString(), timeout=5,
+                                                                  metadata=((AUTH_METADATA_KEY, TOKEN),))
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        channel.close()
+        assert client.status().version == 0  # still serving
+    finally:
+        plain.close()
+        curve.close()
+        ctx.term()
+        client.close()
+        learner.close()
+
+
+def _garbage_request(rng: random.Random, token: str) -> bytes:
+    """One malformed side-channel request (4-byte LE length + WeightRangeRequest)."""
+    def framed(body: bytes) -> bytes:
+        return struct.pack("<I", len(body)) + body
+
+    kind = rng.randrange(8)
+    if kind == 0:
+        return rng.randbytes(rng.randrange(1, 64))
+    if kind == 1:
+        return struct.pack("<I", rng.randrange(1 << 16, 1 << 32)) + rng.randbytes(8)  # over MAX_REQUEST_BYTES
+    if kind == 2:
+        return framed(rng.randbytes(rng.randrange(1, 200)))  # undecodable protobuf (mostly)
+    if kind == 3:
+        return framed(pb.WeightRangeRequest(auth_token=rng.choice(["", "wrong", token + "x"]), version=1,
+                                            length_bytes=16).SerializeToString())
+    if kind == 4:
+        return framed(pb.WeightRangeRequest(auth_token=token, version=rng.choice([0, 2, 99, -5]),
+                                            length_bytes=16).SerializeToString())
+    if kind == 5:
+        off, length = rng.choice([(-1, 16), (0, -3), (0, 1 << 40), (1 << 30, 0), (7, 1 << 20)])
+        return framed(pb.WeightRangeRequest(auth_token=token, version=1, offset_bytes=off,
+                                            length_bytes=length).SerializeToString())
+    if kind == 6:
+        return struct.pack("<I", 1000) + b"\x0a" * rng.randrange(0, 999)  # announced, never completed
+    return framed(b"")  # empty request: default fields, no token
+
+
+@pytest.mark.timeout(120)
+def test_weight_side_channel_survives_garbage_and_keeps_serving() -> None:
+    from actors.weight_client import SideChannelClient
+    from learner.publisher import WeightPublisher
+
+    pub = WeightPublisher(host="127.0.0.1", side_channel_port=0, auth_token=TOKEN, chunk_bytes=4096, timeout_s=0.5)
+    sd = {"w": torch.arange(10_000, dtype=torch.float32)}
+    rng = random.Random(7)
+    try:
+        pub.publish(sd, version=1)
+        host, port = pub.server.endpoint.rsplit(":", 1)
+        for _ in range(NUM_SIDE_CHANNEL_CONNECTIONS):
+            with socket.create_connection((host, int(port)), timeout=5) as s:
+                try:
+                    s.sendall(_garbage_request(rng, TOKEN))
+                    s.shutdown(socket.SHUT_WR)  # the peer vanishes: no more bytes come
+                    s.recv(1 << 16)
+                except OSError:  # the server may close first (reset): that is a refusal too
+                    pass
+        counters = dict(pub.server.counters)
+        assert counters["requests"] == 0 and counters["bytes_sent"] == 0, counters  # nothing served to garbage
+        assert counters["rejected"] + counters["errors"] > NUM_SIDE_CHANNEL_CONNECTIONS // 2, counters
+        # Still serving: a valid range and a full verified fetch.
+        side = SideChannelClient(pub.server.endpoint, TOKEN, timeout_s=5)
+        dst = bytearray(16)
+        side.read_into(memoryview(dst), 1, 0)
+        side.close()
+        assert pub.server.counters["requests"] == 1
+        assert bytes(dst) == pub.read(1, 0, 16)
+        print(f"side channel after {NUM_SIDE_CHANNEL_CONNECTIONS} garbage connections: {counters}")
+    finally:
+        pub.close()
