@@ -100,6 +100,9 @@ def known_sources() -> str:
 
 def verifier_for(data_source: str) -> Verifier:
     """The verifier for ``data_source``; ValueError naming the known sources when there is none."""
+    if not isinstance(data_source, str):
+        raise ValueError(f"data_source must be a string, got {data_source!r}: known sources are "
+                         f"{known_sources()}.")
     if data_source == task.DATA_SOURCE:
         return verify_builtin
     if data_source in DAPO_SOURCES or data_source.startswith(DAPO_PREFIXES):

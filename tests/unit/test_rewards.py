@@ -112,6 +112,8 @@ def test_builtin_task_verifier():
 def test_unknown_data_source_names_the_known_ones():
     with pytest.raises(ValueError, match="no verifier for data_source 'gsm8k'.*math_dapo.*aime.*dapo_builtin"):
         rewards.score("gsm8k", "Answer: 1", "1")
+    with pytest.raises(ValueError, match="data_source must be a string"):
+        rewards.score(None, "Answer: 1", "1")  # type: ignore[arg-type]
 
 
 def test_verifier_error_is_scored_and_counted():
