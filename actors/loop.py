@@ -225,11 +225,14 @@ class Actor:
         session = self._session()
         out = []
         with self.metrics.stage("score"):
+            # One pipelined call for the whole batch; a hang costs its own deadline only.
+            verdicts = iter(self.verifier.score_many(
+                [(lease.data_source, self.decode(s.token_ids), lease.ground_truth)
+                 for lease, samples in zip(leases, groups) for s in samples]))
             for lease, samples in zip(leases, groups):
-                verdicts = self.verifier.score_many(
-                    [(lease.data_source, self.decode(s.token_ids), lease.ground_truth) for s in samples])
-                out.append(build_group(session, lease, samples, [v.reward for v in verdicts],
-                                       [v.acc for v in verdicts], session.run))
+                mine = [next(verdicts) for _ in samples]
+                out.append(build_group(session, lease, samples, [v.reward for v in mine], [v.acc for v in mine],
+                                       session.run))
         self.metrics.counters["verifier_errors"] = self.verifier.num_errors
         self.metrics.counters["verifier_timeouts"] = self.verifier.num_timeouts
         return out

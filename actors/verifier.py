@@ -21,6 +21,7 @@ import select
 import subprocess
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import msgpack
@@ -30,6 +31,8 @@ log = logging.getLogger(__name__)
 FAILED_REWARD = -1.0
 """Reward of a response whose verifier raised or timed out."""
 DEFAULT_SCORE_FN = "dapo.rewards:score"
+MAX_IN_FLIGHT_BYTES = 32 << 10
+"""Requests written ahead of their replies, in bytes: half a Linux pipe's 64 KiB capacity."""
 START_TIMEOUT_S = 60.0
 """Deadline for the child to import the verifier module (first start pays the imports)."""
 
@@ -108,35 +111,58 @@ class Verifier:
 
     # -- scoring ------------------------------------------------------------------------------
     def score(self, data_source: str, response: str, ground_truth: str) -> Verdict:
-        self.num_calls += 1
+        return self.score_many([(data_source, response, ground_truth)])[0]
+
+    def score_many(self, items: list[tuple[str, str, str]]) -> list[Verdict]:
+        """Verdicts in order. Requests are pipelined (one round trip per call costs ~ms each
+        under load); each reply still has its own ``timeout_s`` deadline."""
+        verdicts: list[Verdict] = []
+        while len(verdicts) < len(items):
+            verdicts += self._score_until_failure(items[len(verdicts):])
+        return verdicts
+
+    def _score_until_failure(self, items: list[tuple[str, str, str]]) -> list[Verdict]:
+        """Score ``items`` in order up to and including the first one the worker does not answer."""
         if self._proc is None:
             self._start()
         assert self._proc is not None and self._proc.stdin is not None
-        try:
-            self._proc.stdin.write(msgpack.packb([data_source, response, ground_truth]))
+        packed = [msgpack.packb(list(item)) for item in items]
+        out: list[Verdict] = []
+        sent, in_flight, in_flight_bytes = 0, deque(), 0
+        while len(out) < len(items):
+            # Write ahead, but keep the unread bytes below the pipe's capacity: a write then never
+            # blocks, even when the worker hangs (the deadline below is the only wait).
+            while sent < len(items) and (not in_flight or in_flight_bytes + len(packed[sent]) <= MAX_IN_FLIGHT_BYTES):
+                try:
+                    self._proc.stdin.write(packed[sent])
+                except OSError:  # the worker died; reading its EOF below scores the item
+                    break
+                in_flight.append(len(packed[sent]))
+                in_flight_bytes += len(packed[sent])
+                sent += 1
+            self.num_calls += 1
             reply = self._read(self.timeout_s)
-        except (BrokenPipeError, OSError):
-            reply = None
-        if reply is None:
-            # Hung (or died): its state is unknown, so replace the worker.
-            self.num_errors += 1
-            self.num_timeouts += 1
-            self.num_restarts += 1
-            log.warning("verifier %s gave no answer within %.1fs for a %s response of %d chars; "
-                        "scored %.0f and restarting the worker", self.score_fn, self.timeout_s,
-                        data_source, len(response), FAILED_REWARD)
-            self._kill()
-            return Verdict(FAILED_REWARD, False, "", "timeout")
-        ok, reward, acc, pred = reply
-        if not ok:
-            self.num_errors += 1
-            log.warning("verifier %s raised on a %s response: %s; scored %.0f",
-                        self.score_fn, data_source, pred, FAILED_REWARD)
-            return Verdict(FAILED_REWARD, False, "", pred)
-        return Verdict(float(reward), bool(acc), str(pred))
-
-    def score_many(self, items: list[tuple[str, str, str]]) -> list[Verdict]:
-        return [self.score(*item) for item in items]
+            data_source, response, _ = items[len(out)]
+            if reply is None:
+                # Hung (or died): its state is unknown, so replace the worker.
+                self.num_errors += 1
+                self.num_timeouts += 1
+                self.num_restarts += 1
+                log.warning("verifier %s gave no answer within %.1fs for a %s response of %d chars; "
+                            "scored %.0f and restarting the worker", self.score_fn, self.timeout_s,
+                            data_source, len(response), FAILED_REWARD)
+                self._kill()
+                return out + [Verdict(FAILED_REWARD, False, "", "timeout")]
+            in_flight_bytes -= in_flight.popleft()
+            ok, reward, acc, pred = reply
+            if not ok:
+                self.num_errors += 1
+                log.warning("verifier %s raised on a %s response: %s; scored %.0f",
+                            self.score_fn, data_source, pred, FAILED_REWARD)
+                out.append(Verdict(FAILED_REWARD, False, "", pred))
+            else:
+                out.append(Verdict(float(reward), bool(acc), str(pred)))
+        return out
 
 
 def _worker_main(score_fn: str) -> None:

@@ -117,3 +117,17 @@ def test_default_verifier_is_dapo_rewards():
         assert (got.reward, got.acc, got.pred, got.error) == (reward, acc, str(pred), "")
     finally:
         v.close()
+
+
+@pytest.mark.timeout(60)
+def test_pipelined_batch_larger_than_the_pipe_with_a_hang_inside(verifier):
+    """80 KB of requests (more than a pipe holds) with a hang among them: every verdict comes
+    back in order; the hang costs one timeout, not a blocked write."""
+    long_ok, long_bad = "x" * 2000 + " 1", "x" * 2000 + " 2"
+    responses = [long_ok if i % 3 else long_bad for i in range(40)]
+    responses[5] = "hang"
+    got = verifier.score_many([("t", r, "1") for r in responses])
+    expected = [1.0 if r == long_ok else -1.0 for r in responses]
+    assert [v.reward for v in got] == expected
+    assert [v.error for v in got] == ["timeout" if i == 5 else "" for i in range(40)]
+    assert verifier.num_calls == 40 and verifier.num_timeouts == 1 and verifier.num_restarts == 1
