@@ -8,7 +8,7 @@
                                           train        π_prox, M mini-batches × micro-batches, AdamW
                                           gather       full state dict -> rank 0
  publisher: side channel + collective  <─ publish      version v+1; coordinator.set_version
- evaluator (every K steps, greedy)                     (rank 0 only; peers wait in the next broadcast)
+ evaluator (every K steps, sampled)                    (rank 0 only; peers wait in the next broadcast)
                                           checkpoint   every K steps (DCP + coordinator state)
  metrics.jsonl, trained_prompts.jsonl  <─ log          (the audit line is written before publish)
 ```
