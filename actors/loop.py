@@ -20,9 +20,10 @@
   Coordinator <-- Leave ------------------ leave()             on stop: leases go back
 ```
 
-Elastic: ``run()`` registers with backoff (the learner may not be up yet), and on
-``LearnerUnavailable`` / ``SessionLost`` (learner restart) registers again and refetches
-weights; leases of a lost session are re-issued by the coordinator. ``stop`` (SIGTERM, or a
+Elastic: ``run()`` registers with backoff (the learner may not be up yet); while the learner
+does not answer (``LearnerUnavailable``) it keeps its session and retries; once a coordinator
+no longer knows it (``SessionLost``: a learner restart, or declared dead) it registers again and
+refetches weights; leases of a lost session are re-issued by the coordinator. ``stop`` (SIGTERM, or a
 heartbeat answer ``shutdown``) ends the loop after the current stage; unpushed leases go back
 with ``Leave``. A kill -9 needs nothing from the actor: its leases expire with its heartbeats.
 """
@@ -82,23 +83,27 @@ class Actor:
         """Serve until ``stop``; returns the exit code (0)."""
         while not self.stop.is_set():
             try:
-                if not self.connect():
-                    break
-                self.update_weights(reason="initial weights")
-                while not self.stop.is_set():
-                    leases = self.lease()
-                    if not leases:
-                        continue
-                    samples = self.generate(leases)
-                    if self.stop.is_set():  # SIGTERM: return the leases rather than finish them
+                if self.session is None:
+                    if not self.connect():
                         break
-                    groups = self.score_and_shape(leases, samples)
-                    self.push(leases, groups)
-                    self.log_progress()
-            except (LearnerUnavailable, SessionLost) as exc:
+                    self.update_weights(reason="initial weights")
+                leases = self.lease()
+                if not leases:
+                    continue
+                samples = self.generate(leases)
+                if self.stop.is_set():  # SIGTERM: return the leases rather than finish them
+                    break
+                groups = self.score_and_shape(leases, samples)
+                self.push(leases, groups)
+                self.log_progress()
+            except SessionLost as exc:  # a new learner incarnation, or declared dead: register again
                 self.metrics.add("learner_lost")
                 log.warning("lost the learner (%s); registering again", exc)
                 self.close_session()
+            except LearnerUnavailable as exc:  # down, restarting or slow: keep the session, retry
+                self.metrics.add("learner_unreachable")
+                log.warning("the learner did not answer (%s); retrying", exc)
+                self.stop.wait(min(1.0, self.cfg.actor.connect_retry_max_s))
         self.leave()
         return 0
 

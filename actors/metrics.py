@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 COUNTERS = ("groups_pushed", "samples_generated", "tokens_generated", "verifier_errors", "verifier_timeouts",
             "weight_loads", "weight_loads_collective", "push_failures", "leases_granted", "leases_returned",
-            "registrations", "learner_lost")
+            "registrations", "learner_lost", "learner_unreachable")
 """Counter names (all start at 0)."""
 
 

@@ -284,3 +284,15 @@ def test_learner_shutdown_makes_the_actor_leave(make_actor, how):
         client.call = call
     assert actor.run() == 0  # returns on its own: no test-side stop
     assert actor.stop.is_set() and len(client.named("Leave")) == 1
+
+
+def test_unreachable_learner_keeps_the_session_and_retries(make_actor):
+    from actors.client import LearnerUnavailable
+
+    client = FakeClient()
+    actor, engine, fetched = make_actor(client)
+    client.lease_script = [LearnerUnavailable("Lease: DEADLINE_EXCEEDED")]
+    engine.during_generate = actor.stop.set
+    assert actor.run() == 0
+    assert client.registrations == 1 and fetched == [0]  # same session, no refetch
+    assert len(client.named("Lease")) == 2 and actor.metrics.counters["learner_unreachable"] == 1
