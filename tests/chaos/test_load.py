@@ -11,7 +11,8 @@ from tests.chaos.load import run_load
 
 pytestmark = pytest.mark.slow
 
-QUEUE_MAX_GROUPS = 32
+QUEUE_MAX_GROUPS = 12
+"""Below k x N = 16 (the staleness slots while a step trains), so lease credit (queue_full) binds."""
 
 
 @pytest.mark.timeout(180)
@@ -23,7 +24,7 @@ def test_64_actors_bounded_queue_nothing_lost_backpressure_counted() -> None:
     assert 0 < r.max_depth_groups <= QUEUE_MAX_GROUPS
     assert r.audit["in_flight"] + r.audit["queued"] <= QUEUE_MAX_GROUPS
     denials = r.denials()
-    assert denials.get("queue_full", 0) + denials.get("staleness_bound", 0) > 64, denials  # backpressure, counted
+    assert denials.get("queue_full", 0) > 64, denials  # backpressure, counted
     # RSS: whatever grows, grows in the first half (warm-up); the second half stays flat
     assert r.rss_growth_second_half_bytes < 64 << 20, r.rss_bytes
     # nothing lost, nothing trained twice; every received message is accounted for
