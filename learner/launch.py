@@ -37,6 +37,8 @@ Writes run.run_dir: metrics.jsonl, tensorboard/, curves.png, checkpoints/, hf/, 
 """
 
 STOP_GRACE_S = 30.0
+LEARNER_UP_TIMEOUT_S = 300.0
+ADDRESS_LINE = re.compile(r"^learner: coordinator (\S+), replay", re.M)
 EXCEPTION_LINE = re.compile(r"^\[rank\d+\]: [\w.]*(Error|Exception|Stalled)\w*: ")
 PR_SET_PDEATHSIG = 1
 
@@ -169,6 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     learner = Child("learner", [sys.executable, "-m", "learner", *overrides], run_dir / "logs")
     children.append(learner)
     addr = f"{cfg.transport.host}:{cfg.transport.grpc_port}"
+    if cfg.transport.grpc_port == 0:  # the learner picked free ports: read them from its log
+        addr = _wait_for_address(learner, LEARNER_UP_TIMEOUT_S, stop)
+        if addr is None:
+            learner.stop(STOP_GRACE_S)
+            print(f"dapo run: the learner did not come up ({stop['why'] or 'exited'}); see {learner.log_path}:\n"
+                  f"{_error_tail(learner.log_path)}", file=sys.stderr)
+            return 1
     actors = [Child(f"actor{i}", [sys.executable, "-m", "actors", "--learner", addr, *overrides,
                                   f"actor.seed={cfg.actor.seed + i}"], run_dir / "logs")
               for i in range(cfg.run.num_actors)]
@@ -227,6 +236,17 @@ def _finish(run_dir: Path, records: list[dict], cfg, learner_rc: int | None) -> 
         print(f"dapo run: HF export of {ckpts[-1].name} in {out}" if rc == 0
               else f"dapo run: export failed (exit {rc})", file=sys.stderr)
     return 0 if learner_rc == 0 else 1
+
+
+def _wait_for_address(learner: Child, timeout_s: float, stop: dict) -> str | None:
+    """The coordinator's host:port from the learner's start-up line, or None if it never came."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and learner.alive() and not stop["why"]:
+        found = ADDRESS_LINE.search(learner.log_path.read_text(errors="replace"))
+        if found:
+            return found.group(1)
+        time.sleep(0.2)  # polling a log file: there is no event to wait on
+    return None
 
 
 def _error_tail(log_path: Path, max_lines: int = 3) -> str:
