@@ -201,7 +201,7 @@ class LearnerConfig:
     """Linear learning-rate warm-up, in training steps."""
     grad_clip: float = 1.0
     """Max global gradient norm (0 = off)."""
-    total_steps: int = 200
+    total_steps: int = 150
     """Training steps before the learner stops (0 = run until stopped)."""
     checkpoint_every_steps: int = 50
     """Write a checkpoint every K steps (0 = only at the end)."""
