@@ -22,6 +22,9 @@ RUN_PANELS: tuple[tuple[tuple[str, ...], str], ...] = (
 )
 
 
+STALENESS_PREFIX = "queue/staleness/"
+
+
 def read_metrics(path: str | Path) -> list[dict[str, float]]:
     """Records of a metrics.jsonl file; a torn last line (a run killed mid-write) is skipped."""
     out = []
@@ -103,21 +106,20 @@ def plot_sweep(runs: Mapping[str, Sequence[Record]], out_png: str | Path, key: s
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    # Staleness histogram: mean over steps of the per-step staleness histogram, if logged.
+    # Staleness histogram of the samples consumed: the replay queue's cumulative counters
+    # ``queue/staleness/<versions>`` in the run's last record.
     width = 0.8 / max(len(labels), 1)
     for i, label in enumerate(labels):
-        hist: dict[int, float] = {}
-        for r in runs[label]:
-            for k, v in r.items():
-                if k.startswith("staleness/hist_"):
-                    hist[int(k.rsplit("_", 1)[1])] = hist.get(int(k.rsplit("_", 1)[1]), 0.0) + float(v)
+        last = runs[label][-1] if runs[label] else {}
+        hist = {int(k.rsplit("/", 1)[1]): float(v) for k, v in last.items() if k.startswith(STALENESS_PREFIX)}
         if hist:
             total = sum(hist.values()) or 1.0
             ks = sorted(hist)
             axes[2].bar([k + i * width for k in ks], [hist[k] / total for k in ks], width=width, label=label)
     axes[2].set_xlabel("staleness of trained samples (versions)")
     axes[2].set_ylabel("fraction of samples")
-    axes[2].legend(fontsize=8)
+    if axes[2].get_legend_handles_labels()[0]:
+        axes[2].legend(fontsize=8)
     idle = [(_mean(runs[lb], "actors/idle_fraction"), _mean(runs[lb], "learner/idle_fraction")) for lb in labels]
     xs = range(len(labels))
     axes[3].bar([x - 0.2 for x in xs], [a for a, _ in idle], width=0.4, label="actors idle")

@@ -27,14 +27,13 @@ from dapo.runtime import service_env
 HELP = __doc__
 
 
-def run_point(label: str, overrides: list[str], out_dir: Path) -> Path:
-    run_dir = out_dir / label
-    argv = [sys.executable, "-m", "learner.launch", *overrides, f"run.run_dir={run_dir}"]
+def run_point(label: str, overrides: list[str]) -> int:
+    argv = [sys.executable, "-m", "learner.launch", *overrides]
     print(f"dapo sweep: {label}: {' '.join(overrides)}", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     rc = subprocess.call(argv, env={**os.environ, **service_env()})
     print(f"dapo sweep: {label} finished in {time.monotonic() - t0:.0f} s (exit {rc})", file=sys.stderr)
-    return run_dir
+    return rc
 
 
 def summarize(runs: dict[str, list[dict]], target: float) -> list[dict]:
@@ -97,31 +96,37 @@ def main(argv: list[str] | None = None) -> int:
     from dapo.config import ConfigError, load_config
 
     seeds = [int(s) for s in args.seeds.split(",")]
+    out_dir = Path(args.out) / f"sweep-{args.name or key.split('.')[-1]}"
     points = []
     for value in values.split(","):
         for seed in seeds:
+            # '=' would break the run.run_dir override, so labels use '-'
+            label = f"{key.split('.')[-1]}-{value}-seed{seed}"
             overrides = [*args.overrides, f"{key}={value}", f"run.seed={seed}", f"learner.seed={seed}",
-                         f"actor.seed={seed}"]
+                         f"actor.seed={seed}", f"run.run_dir={out_dir / label}"]
             try:
                 cfg = load_config(overrides)  # fail before the first run, not after an hour
             except ConfigError as exc:
                 print(f"dapo sweep: {exc}", file=sys.stderr)
                 return 2
-            points.append((f"{key.split('.')[-1]}={value}-seed{seed}", overrides))
+            points.append((label, overrides))
     target = args.target if args.target is not None else cfg.run.target_accuracy
-    out_dir = Path(args.out) / f"sweep-{args.name or key.split('.')[-1]}"
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    runs = {}
+    runs, failed = {}, []
     for label, overrides in points:
-        run_dir = run_point(label, overrides, out_dir)
-        metrics = run_dir / "metrics.jsonl"
+        if run_point(label, overrides) != 0:
+            failed.append(label)
+        metrics = out_dir / label / "metrics.jsonl"
         runs[label] = read_metrics(metrics) if metrics.exists() else []
     table = markdown_table(summarize(runs, target))
     (out_dir / "summary.md").write_text(f"# dapo sweep over {key}\n\nTarget accuracy {target}.\n\n{table}")
     png = plot_sweep(runs, out_dir / "sweep.png", title=f"dapo sweep over {key}")
     print(table + f"\ndapo sweep: table in {out_dir / 'summary.md'}, plot in {png}", file=sys.stderr)
-    return 0
+    if failed:
+        print(f"dapo sweep: {len(failed)} run(s) failed: {', '.join(failed)}; see their logs/ folders",
+              file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

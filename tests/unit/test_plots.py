@@ -11,7 +11,7 @@ def records(acc_by_step, seconds_per_step, stale=0.0):
     for step, acc in enumerate(acc_by_step, start=1):
         out.append({"step": step, "time_s": step * seconds_per_step, "eval/accuracy": acc,
                     "train/reward": 2 * acc - 1, "staleness/mean_steps": stale, "staleness/max_steps": stale,
-                    "staleness/hist_0": 10, "actors/idle_fraction": 0.5, "learner/idle_fraction": 0.25})
+                    "queue/staleness/0": 10, "queue/staleness/1": step, "actors/idle_fraction": 0.5, "learner/idle_fraction": 0.25})
     return out
 
 
