@@ -221,7 +221,11 @@ class Coordinator:
             actor = self._touch(actor_id)
             actor.weight_version = weight_version
             n, k = self.num_prompts_per_step, self.max_staleness_steps
-            slots = (self._version + k + 1) * n - (len(self._active) + len(self._queued) + len(self._trained))
+            # Slots count from the version the actor will sample with, not the learner's: an actor
+            # k versions behind would otherwise fill slots that are only fresh for up-to-date
+            # actors, and its groups would be up to 2k old at consumption (dropped there).
+            slots = (min(self._version, weight_version) + k + 1) * n - (
+                len(self._active) + len(self._queued) + len(self._trained))
             credit = self.queue_max_groups - (len(self._active) + len(self._queued))
             # The first binding limit is the reason reported when fewer than asked are granted.
             # Ties go to the earlier entry: an actionable reason (shut down, load weights) first.
