@@ -208,9 +208,18 @@ class CollectiveBroadcaster:
     _rebuild: bool = True
 
     def __post_init__(self) -> None:
+        # TCPStore(host, ...) as master listens on all interfaces whatever `host` says, and has no
+        # token: bind the listening socket ourselves so the store is reachable only where the
+        # config allows (loopback by default).
+        # The store takes ownership of the descriptor (it closes it when it is destroyed).
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((self.host, self.port))
+        listener.listen(128)
+        self.port = listener.getsockname()[1]
         self.store = dist.TCPStore(self.host, self.port, is_master=True, wait_for_workers=False,
-                                   timeout=timedelta(seconds=self.timeout_s))
-        self.port = self.store.port
+                                   timeout=timedelta(seconds=self.timeout_s), master_listen_fd=listener.detach())
 
     def _new_joins(self) -> list[_Member]:
         n = self.store.add("join_seq", 0)
