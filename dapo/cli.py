@@ -62,7 +62,13 @@ def main(argv: list[str] | None = None) -> None:
 
     if argv and argv[0] in SERVICES:  # services parse their own arguments (and --help)
         _exec_service(SERVICES[argv[0]][0], argv[1:])
-    args = parser.parse_args(argv)
+    # `dapo data inspect FILE -n 2 key=value ...`: overrides may also follow an option, where
+    # argparse leaves them unparsed.
+    args, extra = parser.parse_known_args(argv)
+    if extra and (args.command != "data" or not all("=" in e and not e.startswith("-") for e in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.overrides += extra
     if args.command is None:
         parser.print_help()
         raise SystemExit(2)

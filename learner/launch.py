@@ -43,13 +43,18 @@ EXCEPTION_LINE = re.compile(r"^\[rank\d+\]: [\w.]*(Error|Exception|Stalled)\w*: 
 PR_SET_PDEATHSIG = 1
 
 
+def term_with_parent() -> None:
+    """Child pre-exec: SIGTERM this child when its parent dies (Linux), so no run outlives it."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux: Ctrl-C handling still cleans up
+        pass
+
+
 def _die_with_parent() -> None:
     """Child pre-exec: new session (own process group) + SIGTERM when the launcher dies."""
     os.setsid()
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:  # not Linux: Ctrl-C handling below still cleans up
-        pass
+    term_with_parent()
 
 
 class Child:
@@ -65,6 +70,7 @@ class Child:
         return self.proc.poll() is None
 
     def signal(self, sig: int) -> None:
+        """Send ``sig`` to the child's process group (the child and everything it started)."""
         if self.alive():
             try:
                 os.killpg(self.proc.pid, sig)
@@ -72,8 +78,11 @@ class Child:
                 pass
 
     def stop(self, grace_s: float) -> int | None:
-        """SIGTERM the child's process group, wait up to grace_s, then SIGKILL it."""
-        self.signal(signal.SIGTERM)
+        """SIGTERM the child itself (`dapo learner` forwards it to its ranks, which write a final
+        checkpoint; signalling torchrun directly would make it exit 1), wait up to grace_s, then
+        SIGKILL the child's whole process group."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:

@@ -23,6 +23,7 @@ from statistics import mean
 
 from dapo.plots import plot_sweep, read_metrics, series, time_to_target
 from dapo.runtime import service_env
+from learner.launch import term_with_parent
 
 HELP = __doc__
 
@@ -31,7 +32,9 @@ def run_point(label: str, overrides: list[str]) -> int:
     argv = [sys.executable, "-m", "learner.launch", *overrides]
     print(f"dapo sweep: {label}: {' '.join(overrides)}", file=sys.stderr, flush=True)
     t0 = time.monotonic()
-    rc = subprocess.call(argv, env={**os.environ, **service_env()})
+    # Same process group (Ctrl-C reaches the run, which stops cleanly) plus a parent-death
+    # signal: killing the sweep stops its current run too.
+    rc = subprocess.call(argv, env={**os.environ, **service_env()}, preexec_fn=term_with_parent)
     print(f"dapo sweep: {label} finished in {time.monotonic() - t0:.0f} s (exit {rc})", file=sys.stderr)
     return rc
 

@@ -11,3 +11,11 @@ from dapo.runtime import apply_service_env  # noqa: E402
 
 apply_service_env()
 os.environ.setdefault("VLLM_CACHE_ROOT", str(ROOT / ".cache" / "vllm"))
+
+
+def pytest_sessionstart(session):
+    """Build the embedded tiny model once, before any test runs (a minute or two on a new
+    machine): outside every test's timeout, and never by two test processes at once."""
+    from dapo.tiny import ensure_tiny_model
+
+    ensure_tiny_model(ROOT / ".cache" / "dapo", progress=False)
