@@ -18,7 +18,7 @@ import pytest
 from actors.evaluate import PromptResult, main, pass_at_k, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
-AIME = Path("/work/shared/data/aime-2024.parquet")
+AIME = Path(__file__).resolve().parents[3] / "shared" / "data" / "aime-2024.parquet"
 CACHE_DIR = ROOT / ".cache" / "dapo"  # the repo's shared cache: the tiny model is built once for all tests
 
 METRIC_KEYS = {"num_prompts", "num_samples", "avg@k", "pass@k", "pass@1", "mean_response_length_tokens",
