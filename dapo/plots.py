@@ -72,13 +72,7 @@ def plot_run(records: Sequence[Record], out_png: str | Path, title: str = "") ->
             ax.grid(alpha=0.3)
             if len(keys) > 1:
                 ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    out = Path(out_png)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return _save(plt, fig, out_png, title)
 
 
 def time_to_target(records: Sequence[Record], key: str, target: float) -> tuple[float, float] | None:
@@ -127,6 +121,10 @@ def plot_sweep(runs: Mapping[str, Sequence[Record]], out_png: str | Path, key: s
     axes[3].set_xticks(list(xs), labels, rotation=20, fontsize=8)
     axes[3].set_ylabel("idle fraction")
     axes[3].legend(fontsize=8)
+    return _save(plt, fig, out_png, title)
+
+
+def _save(plt, fig, out_png: str | Path, title: str) -> Path:
     if title:
         fig.suptitle(title)
     fig.tight_layout()
