@@ -290,7 +290,10 @@ class Actor:
     def _heartbeat_loop(self, session: Session) -> None:
         while not session.closed.wait(session.run.heartbeat_interval_s):
             names = pb.ActorCounters.DESCRIPTOR.fields_by_name
-            counters = pb.ActorCounters(**{k: self.metrics.counters[k] for k in names})
+            snap = self.metrics.snapshot()
+            values = {**self.metrics.counters, "uptime_ms": int(1000 * snap["actor/wall_s"]),
+                      "idle_ms": int(1000 * (snap["idle/lease_wait_s"] + snap["idle/weight_wait_s"]))}
+            counters = pb.ActorCounters(**{k: values[k] for k in names})
             try:
                 resp = self.client.call("Heartbeat", pb.HeartbeatRequest(
                     actor_id=session.actor_id, weight_version=self.engine.version, counters=counters))

@@ -183,6 +183,9 @@ def log_step(services: Rank0Services, step: int, groups: list, batch: Any, value
     record["throughput/tokens_per_s"] = float(batch.tokens.numel()) / max(step_s, 1e-9)
     status = services.coordinator.status()
     record["actors/alive"] = float(len(status["actors"]))
+    uptime_ms = sum(a["counters"].get("uptime_ms", 0) for a in status["actors"])  # 0 before a heartbeat
+    if uptime_ms:
+        record["actors/idle_fraction"] = sum(a["counters"].get("idle_ms", 0) for a in status["actors"]) / uptime_ms
     for k, v in services.replay.counters().items():
         record[f"queue/{k}"] = float(v)
     for k, v in services.coordinator.counters().items():

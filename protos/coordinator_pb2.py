@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protos/coordinator.proto\x12\x07\x64\x61po.v1\"O\n\x0c\x43\x61pabilities\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x19\n\x11supports_inflight\x18\x02 \x01(\x08\x12\x14\n\x0cweight_paths\x18\x03 \x03(\t\"R\n\x0fRegisterRequest\x12\x12\n\nactor_name\x18\x01 \x01(\t\x12+\n\x0c\x63\x61pabilities\x18\x02 \x01(\x0b\x32\x15.dapo.v1.Capabilities\"\x80\x03\n\tRunParams\x12\x1e\n\x16num_samples_per_prompt\x18\x01 \x01(\x05\x12\x1b\n\x13max_response_tokens\x18\x02 \x01(\x05\x12\x1b\n\x13max_staleness_steps\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_p\x18\x05 \x01(\x02\x12\x1b\n\x13overlong_punishment\x18\x06 \x01(\x08\x12\x1d\n\x15overlong_cache_tokens\x18\x07 \x01(\x05\x12\x19\n\x11prompts_per_lease\x18\x08 \x01(\x05\x12\x1c\n\x14heartbeat_interval_s\x18\t \x01(\x01\x12\x1b\n\x13heartbeat_timeout_s\x18\n \x01(\x01\x12\x19\n\x11max_message_bytes\x18\x0b \x01(\x03\x12\x13\n\x0bweight_path\x18\x0c \x01(\t\x12\x15\n\rrpc_timeout_s\x18\r \x01(\x01\x12\x1c\n\x14num_prompts_per_step\x18\x0e \x01(\x05\"\x84\x01\n\x10RegisterResponse\x12\x10\n\x08\x61\x63tor_id\x18\x01 \x01(\x03\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x14\n\x0czmq_endpoint\x18\x03 \x01(\t\x12\x17\n\x0f\x63urrent_version\x18\x04 \x01(\x03\x12\x1f\n\x03run\x18\x05 \x01(\x0b\x32\x12.dapo.v1.RunParams\"\xa1\x01\n\rActorCounters\x12\x15\n\rgroups_pushed\x18\x01 \x01(\x03\x12\x19\n\x11samples_generated\x18\x02 \x01(\x03\x12\x18\n\x10tokens_generated\x18\x03 \x01(\x03\x12\x17\n\x0fverifier_errors\x18\x04 \x01(\x03\x12\x14\n\x0cweight_loads\x18\x05 \x01(\x03\x12\x15\n\rpush_failures\x18\x06 \x01(\x03\"f\n\x10HeartbeatRequest\x12\x10\n\x08\x61\x63tor_id\x18\x01 \x01(\x03\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12(\n\x08\x63ounters\x18\x03 \x01(\x0b\x32\x16.dapo.v1.ActorCounters\"=\n\x11HeartbeatResponse\x12\x16\n\x0elatest_version\x18\x01 \x01(\x03\x12\x10\n\x08shutdown\x18\x02 \x01(\x08\"M\n\x0cLeaseRequest\x12\x10\n\x08\x61\x63tor_id\x18\x01 \x01(\x03\x12\x13\n\x0bnum_prompts\x18\x02 \x01(\x05\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\"w\n\x0bPromptLease\x12\x10\n\x08lease_id\x18\x01 \x01(\x03\x12\x11\n\tprompt_id\x18\x02 \x01(\x03\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x13\n\x0b\x64\x61ta_source\x18\x04 \x01(\t\x12\x14\n\x0cground_truth\x18\x05 \x01(\t\"\x8a\x01\n\rLeaseResponse\x12$\n\x06leases\x18\x01 \x03(\x0b\x32\x14.dapo.v1.PromptLease\x12\x15\n\rretry_after_s\x18\x02 \x01(\x01\x12$\n\x06\x64\x65nial\x18\x03 \x01(\x0e\x32\x14.dapo.v1.LeaseDenial\x12\x16\n\x0elatest_version\x18\x04 \x01(\x03\":\n\x13ReturnLeasesRequest\x12\x10\n\x08\x61\x63tor_id\x18\x01 \x01(\x03\x12\x11\n\tlease_ids\x18\x02 \x03(\x03\",\n\x14ReturnLeasesResponse\x12\x14\n\x0cnum_returned\x18\x01 \x01(\x05\" \n\x0cLeaveRequest\x12\x10\n\x08\x61\x63tor_id\x18\x01 \x01(\x03\",\n\rLeaveResponse\x12\x1b\n\x13num_leases_returned\x18\x01 \x01(\x05\"\x0f\n\rStatusRequest\"\xd2\x01\n\x0b\x41\x63torStatus\x12\x10\n\x08\x61\x63tor_id\x18\x01 \x01(\x03\x12\x12\n\nactor_name\x18\x02 \x01(\t\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x17\n\x0flast_seen_age_s\x18\x04 \x01(\x01\x12\x15\n\ractive_leases\x18\x05 \x01(\x05\x12(\n\x08\x63ounters\x18\x06 \x01(\x0b\x32\x16.dapo.v1.ActorCounters\x12+\n\x0c\x63\x61pabilities\x18\x07 \x01(\x0b\x32\x15.dapo.v1.Capabilities\"\x9c\x02\n\x0eStatusResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12$\n\x06\x61\x63tors\x18\x03 \x03(\x0b\x32\x14.dapo.v1.ActorStatus\x12\x1a\n\x12queue_depth_groups\x18\x04 \x01(\x03\x12\x15\n\ractive_leases\x18\x05 \x01(\x03\x12\x17\n\x0fpending_reissue\x18\x06 \x01(\x03\x12\r\n\x05\x65poch\x18\x07 \x01(\x03\x12\x37\n\x08\x63ounters\x18\x08 \x03(\x0b\x32%.dapo.v1.StatusResponse.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"%\n\x11WeightInfoRequest\x12\x10\n\x08\x61\x63tor_id\x18\x01 \x01(\x03\"_\n\x0bTensorEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x14\n\x0coffset_bytes\x18\x04 \x01(\x03\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\"\xdd\x01\n\nWeightInfo\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12&\n\x08manifest\x18\x02 \x03(\x0b\x32\x14.dapo.v1.TensorEntry\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x13\n\x0b\x63hunk_bytes\x18\x04 \x01(\x03\x12\x17\n\x0f\x63hunk_checksums\x18\x05 \x03(\t\x12\x18\n\x10version_checksum\x18\x06 \x01(\t\x12\x1a\n\x12\x63hecksum_algorithm\x18\x07 \x01(\t\x12\x1d\n\x15side_channel_endpoint\x18\x08 \x01(\t\"R\n\x13\x46\x65tchWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0coffset_bytes\x18\x02 \x01(\x03\x12\x14\n\x0clength_bytes\x18\x03 \x01(\x03\"W\n\x0bWeightChunk\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0coffset_bytes\x18\x02 \x01(\x03\x12\x13\n\x0b\x63hunk_index\x18\x03 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"e\n\x12WeightRangeRequest\x12\x12\n\nauth_token\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x14\n\x0coffset_bytes\x18\x03 \x01(\x03\x12\x14\n\x0clength_bytes\x18\x04 \x01(\x03*\xcd\x01\n\x0bLeaseDenial\x12\x1c\n\x18LEASE_DENIAL_UNSPECIFIED\x10\x00\x12 \n\x1cLEASE_DENIAL_STALENESS_BOUND\x10\x01\x12 \n\x1cLEASE_DENIAL_WEIGHTS_TOO_OLD\x10\x02\x12\x1f\n\x1bLEASE_DENIAL_DATA_EXHAUSTED\x10\x03\x12\x1b\n\x17LEASE_DENIAL_QUEUE_FULL\x10\x04\x12\x1e\n\x1aLEASE_DENIAL_SHUTTING_DOWN\x10\x05\x32\x92\x04\n\x0b\x43oordinator\x12?\n\x08Register\x12\x18.dapo.v1.RegisterRequest\x1a\x19.dapo.v1.RegisterResponse\x12\x42\n\tHeartbeat\x12\x19.dapo.v1.HeartbeatRequest\x1a\x1a.dapo.v1.HeartbeatResponse\x12\x36\n\x05Lease\x12\x15.dapo.v1.LeaseRequest\x1a\x16.dapo.v1.LeaseResponse\x12K\n\x0cReturnLeases\x12\x1c.dapo.v1.ReturnLeasesRequest\x1a\x1d.dapo.v1.ReturnLeasesResponse\x12\x36\n\x05Leave\x12\x15.dapo.v1.LeaveRequest\x1a\x16.dapo.v1.LeaveResponse\x12\x39\n\x06Status\x12\x16.dapo.v1.StatusRequest\x1a\x17.dapo.v1.StatusResponse\x12@\n\rGetWeightInfo\x12\x1a.dapo.v1.WeightInfoRequest\x1a\x13.dapo.v1.WeightInfo\x12\x44\n\x0c\x46\x65tchWeights\x12\x1c.dapo.v1.FetchWeightsRequest\x1a\x14.dapo.v1.WeightChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protos/coordinator.proto\x12\x07\x64\x61po.v1\"O\n\x0c\x43\x61pabilities\x12\x0e\n\x06\x65ngine\x18\x01 \x01(\t\x12\x19\n\x11supports_inflight\x18\x02 \x01(\x08\x12\x14\n\x0cweight_paths\x18\x03 \x03(\t\"R\n\x0fRegisterRequest\x12\x12\n\nactor_name\x18\x01 \x01(\t\x12+\n\x0c\x63\x61pabilities\x18\x02 \x01(\x0b\x32\x15.dapo.v1.Capabilities\"\x80\x03\n\tRunParams\x12\x1e\n\x16num_samples_per_prompt\x18\x01 \x01(\x05\x12\x1b\n\x13max_response_tokens\x18\x02 \x01(\x05\x12\x1b\n\x13max_staleness_steps\x18\x03 \x01(\x05\x12\x13\n\x0btemperature\x18\x04 \x01(\x02\x12\r\n\x05top_p\x18\x05 \x01(\x02\x12\x1b\n\x13overlong_punishment\x18\x06 \x01(\x08\x12\x1d\n\x15overlong_cache_tokens\x18\x07 \x01(\x05\x12\x19\n\x11prompts_per_lease\x18\x08 \x01(\x05\x12\x1c\n\x14heartbeat_interval_s\x18\t \x01(\x01\x12\x1b\n\x13heartbeat_timeout_s\x18\n \x01(\x01\x12\x19\n\x11max_message_bytes\x18\x0b \x01(\x03\x12\x13\n\x0bweight_path\x18\x0c \x01(\t\x12\x15\n\rrpc_timeout_s\x18\r \x01(\x01\x12\x1c\n\x14num_prompts_per_step\x18\x0e \x01(\x05\"\x84\x01\n\x10RegisterResponse\x12\x10\n\x08\x61\x63tor_id\x18\x01 \x01(\x03\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x14\n\x0czmq_endpoint\x18\x03 \x01(\t\x12\x17\n\x0f\x63urrent_version\x18\x04 \x01(\x03\x12\x1f\n\x03run\x18\x05 \x01(\x0b\x32\x12.dapo.v1.RunParams\"\xc5\x01\n\rActorCounters\x12\x15\n\rgroups_pushed\x18\x01 \x01(\x03\x12\x19\n\x11samples_generated\x18\x02 \x01(\x03\x12\x18\n\x10tokens_generated\x18\x03 \x01(\x03\x12\x17\n\x0fverifier_errors\x18\x04 \x01(\x03\x12\x14\n\x0cweight_loads\x18\x05 \x01(\x03\x12\x15\n\rpush_failures\x18\x06 \x01(\x03\x12\x0f\n\x07idle_ms\x18\x07 \x01(\x03\x12\x11\n\tuptime_ms\x18\x08 \x01(\x03\"f\n\x10HeartbeatRequest\x12\x10\n\x08\x61\x63tor_id\x18\x01 \x01(\x03\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12(\n\x08\x63ounters\x18\x03 \x01(\x0b\x32\x16.dapo.v1.ActorCounters\"=\n\x11HeartbeatResponse\x12\x16\n\x0elatest_version\x18\x01 \x01(\x03\x12\x10\n\x08shutdown\x18\x02 \x01(\x08\"M\n\x0cLeaseRequest\x12\x10\n\x08\x61\x63tor_id\x18\x01 \x01(\x03\x12\x13\n\x0bnum_prompts\x18\x02 \x01(\x05\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\"w\n\x0bPromptLease\x12\x10\n\x08lease_id\x18\x01 \x01(\x03\x12\x11\n\tprompt_id\x18\x02 \x01(\x03\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x13\n\x0b\x64\x61ta_source\x18\x04 \x01(\t\x12\x14\n\x0cground_truth\x18\x05 \x01(\t\"\x8a\x01\n\rLeaseResponse\x12$\n\x06leases\x18\x01 \x03(\x0b\x32\x14.dapo.v1.PromptLease\x12\x15\n\rretry_after_s\x18\x02 \x01(\x01\x12$\n\x06\x64\x65nial\x18\x03 \x01(\x0e\x32\x14.dapo.v1.LeaseDenial\x12\x16\n\x0elatest_version\x18\x04 \x01(\x03\":\n\x13ReturnLeasesRequest\x12\x10\n\x08\x61\x63tor_id\x18\x01 \x01(\x03\x12\x11\n\tlease_ids\x18\x02 \x03(\x03\",\n\x14ReturnLeasesResponse\x12\x14\n\x0cnum_returned\x18\x01 \x01(\x05\" \n\x0cLeaveRequest\x12\x10\n\x08\x61\x63tor_id\x18\x01 \x01(\x03\",\n\rLeaveResponse\x12\x1b\n\x13num_leases_returned\x18\x01 \x01(\x05\"\x0f\n\rStatusRequest\"\xd2\x01\n\x0b\x41\x63torStatus\x12\x10\n\x08\x61\x63tor_id\x18\x01 \x01(\x03\x12\x12\n\nactor_name\x18\x02 \x01(\t\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x17\n\x0flast_seen_age_s\x18\x04 \x01(\x01\x12\x15\n\ractive_leases\x18\x05 \x01(\x05\x12(\n\x08\x63ounters\x18\x06 \x01(\x0b\x32\x16.dapo.v1.ActorCounters\x12+\n\x0c\x63\x61pabilities\x18\x07 \x01(\x0b\x32\x15.dapo.v1.Capabilities\"\x9c\x02\n\x0eStatusResponse\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12$\n\x06\x61\x63tors\x18\x03 \x03(\x0b\x32\x14.dapo.v1.ActorStatus\x12\x1a\n\x12queue_depth_groups\x18\x04 \x01(\x03\x12\x15\n\ractive_leases\x18\x05 \x01(\x03\x12\x17\n\x0fpending_reissue\x18\x06 \x01(\x03\x12\r\n\x05\x65poch\x18\x07 \x01(\x03\x12\x37\n\x08\x63ounters\x18\x08 \x03(\x0b\x32%.dapo.v1.StatusResponse.CountersEntry\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"%\n\x11WeightInfoRequest\x12\x10\n\x08\x61\x63tor_id\x18\x01 \x01(\x03\"_\n\x0bTensorEntry\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\x12\x14\n\x0coffset_bytes\x18\x04 \x01(\x03\x12\x0e\n\x06nbytes\x18\x05 \x01(\x03\"\xdd\x01\n\nWeightInfo\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12&\n\x08manifest\x18\x02 \x03(\x0b\x32\x14.dapo.v1.TensorEntry\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x03\x12\x13\n\x0b\x63hunk_bytes\x18\x04 \x01(\x03\x12\x17\n\x0f\x63hunk_checksums\x18\x05 \x03(\t\x12\x18\n\x10version_checksum\x18\x06 \x01(\t\x12\x1a\n\x12\x63hecksum_algorithm\x18\x07 \x01(\t\x12\x1d\n\x15side_channel_endpoint\x18\x08 \x01(\t\"R\n\x13\x46\x65tchWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0coffset_bytes\x18\x02 \x01(\x03\x12\x14\n\x0clength_bytes\x18\x03 \x01(\x03\"W\n\x0bWeightChunk\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x14\n\x0coffset_bytes\x18\x02 \x01(\x03\x12\x13\n\x0b\x63hunk_index\x18\x03 \x01(\x03\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"e\n\x12WeightRangeRequest\x12\x12\n\nauth_token\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x14\n\x0coffset_bytes\x18\x03 \x01(\x03\x12\x14\n\x0clength_bytes\x18\x04 \x01(\x03*\xcd\x01\n\x0bLeaseDenial\x12\x1c\n\x18LEASE_DENIAL_UNSPECIFIED\x10\x00\x12 \n\x1cLEASE_DENIAL_STALENESS_BOUND\x10\x01\x12 \n\x1cLEASE_DENIAL_WEIGHTS_TOO_OLD\x10\x02\x12\x1f\n\x1bLEASE_DENIAL_DATA_EXHAUSTED\x10\x03\x12\x1b\n\x17LEASE_DENIAL_QUEUE_FULL\x10\x04\x12\x1e\n\x1aLEASE_DENIAL_SHUTTING_DOWN\x10\x05\x32\x92\x04\n\x0b\x43oordinator\x12?\n\x08Register\x12\x18.dapo.v1.RegisterRequest\x1a\x19.dapo.v1.RegisterResponse\x12\x42\n\tHeartbeat\x12\x19.dapo.v1.HeartbeatRequest\x1a\x1a.dapo.v1.HeartbeatResponse\x12\x36\n\x05Lease\x12\x15.dapo.v1.LeaseRequest\x1a\x16.dapo.v1.LeaseResponse\x12K\n\x0cReturnLeases\x12\x1c.dapo.v1.ReturnLeasesRequest\x1a\x1d.dapo.v1.ReturnLeasesResponse\x12\x36\n\x05Leave\x12\x15.dapo.v1.LeaveRequest\x1a\x16.dapo.v1.LeaveResponse\x12\x39\n\x06Status\x12\x16.dapo.v1.StatusRequest\x1a\x17.dapo.v1.StatusResponse\x12@\n\rGetWeightInfo\x12\x1a.dapo.v1.WeightInfoRequest\x1a\x13.dapo.v1.WeightInfo\x12\x44\n\x0c\x46\x65tchWeights\x12\x1c.dapo.v1.FetchWeightsRequest\x1a\x14.dapo.v1.WeightChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_STATUSRESPONSE_COUNTERSENTRY']._loaded_options = None
   _globals['_STATUSRESPONSE_COUNTERSENTRY']._serialized_options = b'8\001'
-  _globals['_LEASEDENIAL']._serialized_start=2736
-  _globals['_LEASEDENIAL']._serialized_end=2941
+  _globals['_LEASEDENIAL']._serialized_start=2772
+  _globals['_LEASEDENIAL']._serialized_end=2977
   _globals['_CAPABILITIES']._serialized_start=37
   _globals['_CAPABILITIES']._serialized_end=116
   _globals['_REGISTERREQUEST']._serialized_start=118
@@ -44,45 +44,45 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERRESPONSE']._serialized_start=590
   _globals['_REGISTERRESPONSE']._serialized_end=722
   _globals['_ACTORCOUNTERS']._serialized_start=725
-  _globals['_ACTORCOUNTERS']._serialized_end=886
-  _globals['_HEARTBEATREQUEST']._serialized_start=888
-  _globals['_HEARTBEATREQUEST']._serialized_end=990
-  _globals['_HEARTBEATRESPONSE']._serialized_start=992
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1053
-  _globals['_LEASEREQUEST']._serialized_start=1055
-  _globals['_LEASEREQUEST']._serialized_end=1132
-  _globals['_PROMPTLEASE']._serialized_start=1134
-  _globals['_PROMPTLEASE']._serialized_end=1253
-  _globals['_LEASERESPONSE']._serialized_start=1256
-  _globals['_LEASERESPONSE']._serialized_end=1394
-  _globals['_RETURNLEASESREQUEST']._serialized_start=1396
-  _globals['_RETURNLEASESREQUEST']._serialized_end=1454
-  _globals['_RETURNLEASESRESPONSE']._serialized_start=1456
-  _globals['_RETURNLEASESRESPONSE']._serialized_end=1500
-  _globals['_LEAVEREQUEST']._serialized_start=1502
-  _globals['_LEAVEREQUEST']._serialized_end=1534
-  _globals['_LEAVERESPONSE']._serialized_start=1536
-  _globals['_LEAVERESPONSE']._serialized_end=1580
-  _globals['_STATUSREQUEST']._serialized_start=1582
-  _globals['_STATUSREQUEST']._serialized_end=1597
-  _globals['_ACTORSTATUS']._serialized_start=1600
-  _globals['_ACTORSTATUS']._serialized_end=1810
-  _globals['_STATUSRESPONSE']._serialized_start=1813
-  _globals['_STATUSRESPONSE']._serialized_end=2097
-  _globals['_STATUSRESPONSE_COUNTERSENTRY']._serialized_start=2050
-  _globals['_STATUSRESPONSE_COUNTERSENTRY']._serialized_end=2097
-  _globals['_WEIGHTINFOREQUEST']._serialized_start=2099
-  _globals['_WEIGHTINFOREQUEST']._serialized_end=2136
-  _globals['_TENSORENTRY']._serialized_start=2138
-  _globals['_TENSORENTRY']._serialized_end=2233
-  _globals['_WEIGHTINFO']._serialized_start=2236
-  _globals['_WEIGHTINFO']._serialized_end=2457
-  _globals['_FETCHWEIGHTSREQUEST']._serialized_start=2459
-  _globals['_FETCHWEIGHTSREQUEST']._serialized_end=2541
-  _globals['_WEIGHTCHUNK']._serialized_start=2543
-  _globals['_WEIGHTCHUNK']._serialized_end=2630
-  _globals['_WEIGHTRANGEREQUEST']._serialized_start=2632
-  _globals['_WEIGHTRANGEREQUEST']._serialized_end=2733
-  _globals['_COORDINATOR']._serialized_start=2944
-  _globals['_COORDINATOR']._serialized_end=3474
+  _globals['_ACTORCOUNTERS']._serialized_end=922
+  _globals['_HEARTBEATREQUEST']._serialized_start=924
+  _globals['_HEARTBEATREQUEST']._serialized_end=1026
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1028
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1089
+  _globals['_LEASEREQUEST']._serialized_start=1091
+  _globals['_LEASEREQUEST']._serialized_end=1168
+  _globals['_PROMPTLEASE']._serialized_start=1170
+  _globals['_PROMPTLEASE']._serialized_end=1289
+  _globals['_LEASERESPONSE']._serialized_start=1292
+  _globals['_LEASERESPONSE']._serialized_end=1430
+  _globals['_RETURNLEASESREQUEST']._serialized_start=1432
+  _globals['_RETURNLEASESREQUEST']._serialized_end=1490
+  _globals['_RETURNLEASESRESPONSE']._serialized_start=1492
+  _globals['_RETURNLEASESRESPONSE']._serialized_end=1536
+  _globals['_LEAVEREQUEST']._serialized_start=1538
+  _globals['_LEAVEREQUEST']._serialized_end=1570
+  _globals['_LEAVERESPONSE']._serialized_start=1572
+  _globals['_LEAVERESPONSE']._serialized_end=1616
+  _globals['_STATUSREQUEST']._serialized_start=1618
+  _globals['_STATUSREQUEST']._serialized_end=1633
+  _globals['_ACTORSTATUS']._serialized_start=1636
+  _globals['_ACTORSTATUS']._serialized_end=1846
+  _globals['_STATUSRESPONSE']._serialized_start=1849
+  _globals['_STATUSRESPONSE']._serialized_end=2133
+  _globals['_STATUSRESPONSE_COUNTERSENTRY']._serialized_start=2086
+  _globals['_STATUSRESPONSE_COUNTERSENTRY']._serialized_end=2133
+  _globals['_WEIGHTINFOREQUEST']._serialized_start=2135
+  _globals['_WEIGHTINFOREQUEST']._serialized_end=2172
+  _globals['_TENSORENTRY']._serialized_start=2174
+  _globals['_TENSORENTRY']._serialized_end=2269
+  _globals['_WEIGHTINFO']._serialized_start=2272
+  _globals['_WEIGHTINFO']._serialized_end=2493
+  _globals['_FETCHWEIGHTSREQUEST']._serialized_start=2495
+  _globals['_FETCHWEIGHTSREQUEST']._serialized_end=2577
+  _globals['_WEIGHTCHUNK']._serialized_start=2579
+  _globals['_WEIGHTCHUNK']._serialized_end=2666
+  _globals['_WEIGHTRANGEREQUEST']._serialized_start=2668
+  _globals['_WEIGHTRANGEREQUEST']._serialized_end=2769
+  _globals['_COORDINATOR']._serialized_start=2980
+  _globals['_COORDINATOR']._serialized_end=3510
 # @@protoc_insertion_point(module_scope)

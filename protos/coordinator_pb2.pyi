@@ -87,20 +87,24 @@ class RegisterResponse(_message.Message):
     def __init__(self, actor_id: _Optional[int] = ..., run_id: _Optional[str] = ..., zmq_endpoint: _Optional[str] = ..., current_version: _Optional[int] = ..., run: _Optional[_Union[RunParams, _Mapping]] = ...) -> None: ...
 
 class ActorCounters(_message.Message):
-    __slots__ = ("groups_pushed", "samples_generated", "tokens_generated", "verifier_errors", "weight_loads", "push_failures")
+    __slots__ = ("groups_pushed", "samples_generated", "tokens_generated", "verifier_errors", "weight_loads", "push_failures", "idle_ms", "uptime_ms")
     GROUPS_PUSHED_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_GENERATED_FIELD_NUMBER: _ClassVar[int]
     TOKENS_GENERATED_FIELD_NUMBER: _ClassVar[int]
     VERIFIER_ERRORS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_LOADS_FIELD_NUMBER: _ClassVar[int]
     PUSH_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    IDLE_MS_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_MS_FIELD_NUMBER: _ClassVar[int]
     groups_pushed: int
     samples_generated: int
     tokens_generated: int
     verifier_errors: int
     weight_loads: int
     push_failures: int
-    def __init__(self, groups_pushed: _Optional[int] = ..., samples_generated: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., verifier_errors: _Optional[int] = ..., weight_loads: _Optional[int] = ..., push_failures: _Optional[int] = ...) -> None: ...
+    idle_ms: int
+    uptime_ms: int
+    def __init__(self, groups_pushed: _Optional[int] = ..., samples_generated: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., verifier_errors: _Optional[int] = ..., weight_loads: _Optional[int] = ..., push_failures: _Optional[int] = ..., idle_ms: _Optional[int] = ..., uptime_ms: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("actor_id", "weight_version", "counters")
