@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides (see `dapo config`)")
     args = parser.parse_args(argv)
-    started = time.monotonic()
+    started_unix_s = time.time()
 
     from dapo.config import ConfigError, load_config, to_dict, to_overrides
     from dapo.tiny import resolve_model_path
@@ -179,7 +179,6 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
 
     learner = Child("learner", [sys.executable, "-m", "learner", *overrides], run_dir / "logs")
-    learner_offset_s = time.monotonic() - started  # metrics' time_s counts from about here
     children.append(learner)
     addr = f"{cfg.transport.host}:{cfg.transport.grpc_port}"
     if cfg.transport.grpc_port == 0:  # the learner picked free ports: read them from its log
@@ -225,10 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dapo run: the learner failed; the end of {learner.log_path}:\n{_error_tail(learner.log_path)}",
               file=sys.stderr)
     (run_dir / "config.resolved.json").write_text(json.dumps(to_dict(cfg), indent=2))
-    return _finish(run_dir, progress.records, cfg, learner_rc, learner_offset_s)
+    return _finish(run_dir, progress.records, cfg, learner_rc, started_unix_s)
 
 
-def _finish(run_dir: Path, records: list[dict], cfg, learner_rc: int | None, offset_s: float) -> int:
+def _finish(run_dir: Path, records: list[dict], cfg, learner_rc: int | None, started_unix_s: float) -> int:
     from dapo.plots import plot_run, time_to_target
 
     if records:
@@ -238,8 +237,9 @@ def _finish(run_dir: Path, records: list[dict], cfg, learner_rc: int | None, off
         first = next((r["eval/accuracy"] for r in records if "eval/accuracy" in r), None)
         last = progress_last(records, "eval/accuracy")
         print(f"dapo run: eval accuracy {first} -> {last}; target {cfg.run.target_accuracy} "
-              + (f"reached at step {hit[0]:.0f}, {hit[1]:.0f} s into training, {hit[1] + offset_s:.0f} s "
-                 f"after `dapo run` started" if hit else "not reached"), file=sys.stderr)
+              + (f"reached at step {hit[0]:.0f}, {hit[1]:.0f} s into training, "
+                 f"{_unix_time_at_step(records, hit[0]) - started_unix_s:.0f} s after `dapo run` started"
+                 if hit else "not reached"), file=sys.stderr)
     ckpts = sorted((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
     if ckpts:
         out = run_dir / "hf"
@@ -266,6 +266,10 @@ def _error_tail(log_path: Path, max_lines: int = 3) -> str:
     lines = log_path.read_text(errors="replace").splitlines()
     errors = [ln for ln in lines if EXCEPTION_LINE.match(ln)]
     return "\n".join((errors or lines)[-max_lines:])
+
+
+def _unix_time_at_step(records: list[dict], step: float) -> float:
+    return next(float(r["unix_time_s"]) for r in records if r["step"] == step and "unix_time_s" in r)
 
 
 def progress_last(records: list[dict], key: str) -> float | None:

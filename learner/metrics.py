@@ -47,7 +47,8 @@ class MetricsLogger:
             prometheus_client.start_http_server(prometheus_port, addr=prometheus_host, registry=self._prom)
 
     def log(self, step: int, values: Mapping[str, float]) -> dict[str, float]:
-        record = {"step": step, "time_s": time.monotonic() - self._t0}
+        # unix_time_s: lets `dapo run` measure from its own start (start-up included).
+        record = {"step": step, "time_s": time.monotonic() - self._t0, "unix_time_s": time.time()}
         record.update({k: float(v) for k, v in values.items()})
         self._jsonl.write(json.dumps(record) + "\n")
         finite = {k: v for k, v in record.items() if k != "step" and math.isfinite(v)}
