@@ -85,7 +85,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--over", default="algorithm.max_staleness_steps=0,1,2,4",
                         help="KEY=V1,V2,... the setting to vary (default: %(default)s)")
-    parser.add_argument("--seeds", default="0", help="comma-separated seeds, each a separate run")
+    parser.add_argument("--seeds", default="0",
+                        help="comma-separated learner/actor seeds, each a separate run (run.seed, hence "
+                             "data order and model, stays fixed)")
     parser.add_argument("--name", default="", help="sweep name (default: the varied key)")
     parser.add_argument("--out", default="runs", help="parent folder of the sweep folder")
     parser.add_argument("--target", type=float, default=None,
@@ -105,8 +107,10 @@ def main(argv: list[str] | None = None) -> int:
         for seed in seeds:
             # '=' would break the run.run_dir override, so labels use '-'
             label = f"{key.split('.')[-1]}-{value}-seed{seed}"
-            overrides = [*args.overrides, f"{key}={value}", f"run.seed={seed}", f"learner.seed={seed}",
-                         f"actor.seed={seed}", f"run.run_dir={out_dir / label}"]
+            # A seed varies sampling and training noise; the data order and the (warm-started)
+            # model stay those of run.seed, so seeds compare the algorithm, not the start.
+            overrides = [*args.overrides, f"{key}={value}", f"learner.seed={seed}", f"actor.seed={seed}",
+                         f"run.run_dir={out_dir / label}"]
             try:
                 cfg = load_config(overrides)  # fail before the first run, not after an hour
             except ConfigError as exc:
