@@ -14,10 +14,13 @@ The child is ``python -m actors.verifier SCORE_FN`` (``module:function``, defaul
 
 from __future__ import annotations
 
+import ctypes
+
 import importlib
 import logging
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -34,6 +37,8 @@ DEFAULT_SCORE_FN = "dapo.rewards:score"
 MAX_IN_FLIGHT_BYTES = 32 << 10
 """Requests written ahead of their replies, in bytes: half a Linux pipe's 64 KiB capacity."""
 START_TIMEOUT_S = 60.0
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+PARENT_PID_ENV = "DAPO_VERIFIER_PARENT_PID"
 """Deadline for the child to import the verifier module (first start pays the imports)."""
 
 
@@ -73,7 +78,7 @@ class Verifier:
     def _start(self) -> None:
         self._proc = subprocess.Popen([sys.executable, "-m", "actors.verifier", self.score_fn],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
-                                      env=os.environ.copy())
+                                      env={**os.environ, PARENT_PID_ENV: str(os.getpid())})
         self._unpacker = msgpack.Unpacker(raw=False)
         reply = self._read(START_TIMEOUT_S)
         if reply is None or reply[3] != "ready":
@@ -191,5 +196,18 @@ def _worker_main(score_fn: str) -> None:
             out.write(msgpack.packb(reply))
 
 
+def _die_with_parent() -> None:
+    """A worker stuck in a hanging verifier never reads its closed stdin: have the kernel kill it
+    when the actor dies (even by SIGKILL), so no worker outlives its actor."""
+    parent = int(os.environ.get(PARENT_PID_ENV, os.getppid()))
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:  # not Linux
+        return
+    if os.getppid() != parent:  # the actor died before prctl took effect
+        os._exit(1)
+
+
 if __name__ == "__main__":
+    _die_with_parent()
     _worker_main(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_SCORE_FN)
