@@ -12,7 +12,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,42 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import psutil
+from tests.procs import free_ports, kill_tree  # noqa: F401  (re-exported to chaos tests)
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "chaos-token"
 POLL_S = 0.2
 """Polling period of the waits below (each wait polls a condition under a deadline)."""
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def kill_tree(proc: subprocess.Popen) -> None:
-    """SIGKILL a process we started and all its descendants, by PID (torchrun's ranks live in
-    sessions of their own, so a process-group kill alone could miss them)."""
-    try:
-        procs = [psutil.Process(proc.pid)]
-        procs += procs[0].children(recursive=True)
-    except psutil.NoSuchProcess:
-        procs = []
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs, timeout=30)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        pass
 
 
 def wait_for(what: str, predicate: Callable[[], object], timeout_s: float,

@@ -12,7 +12,6 @@ import json
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import pytest
 
 from protos import coordinator_pb2 as pb
 from protos.client import CoordinatorClient
+from tests.procs import free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -40,22 +40,12 @@ def model_path() -> str:
     return str(ensure_tiny_model(ROOT / ".cache" / "dapo", progress=False))
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 class Cluster:
     """Processes of one test, killed by PID at the end."""
 
     def __init__(self, tmp: Path, model_path: str, **overrides: object) -> None:
         self.tmp = tmp
-        self.grpc_port, zmq_port, weight_port, collective_port = _free_ports(4)
+        self.grpc_port, zmq_port, weight_port, collective_port = free_ports(4)
         settings = {"model.path": model_path, "transport.grpc_port": self.grpc_port,
                     "transport.zmq_port": zmq_port, "transport.weight_port": weight_port,
                     "transport.collective_port": collective_port,

@@ -4,7 +4,6 @@ kill -9 + resume, HF export (transformers + vLLM), and a peer dying in a collect
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -14,28 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.procs import kill_tree
+
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 TOKEN = "itest-token"
-
-
-def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL a process we started and all its descendants, by PID (torchrun puts its ranks in
-    sessions of their own, so killing its process group would leave the ranks running)."""
-    import psutil
-
-    try:
-        procs = [psutil.Process(proc.pid)]
-        procs += procs[0].children(recursive=True)
-    except psutil.NoSuchProcess:
-        procs = []
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs, timeout=30)
-    proc.wait(30)
 
 
 # ---------------------------------------------------------------- a peer dies during a collective sync
@@ -74,7 +56,7 @@ def test_peer_dying_mid_collective_sync_gives_a_clear_error_within_the_timeout()
         m = pub.publish(sd, version=version + 2)
         assert "weights/collective_error" not in m and pub.info().version == version + 2
     finally:
-        kill_group(proc)
+        kill_tree(proc)
         pub.close()
 
 
@@ -131,7 +113,7 @@ class Learner:
         try:
             return self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            kill_group(self.proc)
+            kill_tree(self.proc)
             raise AssertionError(f"learner did not finish in {timeout_s} s; log:\n{self.log.read_text()[-3000:]}")
 
 
@@ -166,7 +148,7 @@ def test_two_rank_learner_trains_publishes_on_both_paths_and_exports(tmp_path, t
         assert learner.wait(240) == 0, learner.log.read_text()[-3000:]
     finally:
         for a in actors:
-            kill_group(a)
+            kill_tree(a)
     records = learner.metrics()
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]  # 0: eval of the initial weights
     assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 2, 4]
@@ -219,10 +201,10 @@ def test_kill9_then_resume_same_step_no_prompt_lost_or_trained_twice_then_sigter
         while not any(r["step"] >= 3 for r in first.metrics()):  # a checkpoint (step 2) plus work after it
             assert first.proc.poll() is None and time.monotonic() < deadline, first.log.read_text()[-3000:]
             time.sleep(0.2)
-        kill_group(first.proc)  # kill -9 of torchrun and both ranks
+        kill_tree(first.proc)  # kill -9 of torchrun and both ranks
     finally:
-        kill_group(first.proc)
-        kill_group(actor)
+        kill_tree(first.proc)
+        kill_tree(actor)
     from learner.checkpoint import latest_checkpoint
 
     ckpt = latest_checkpoint(first.run_dir)
@@ -247,8 +229,8 @@ def test_kill9_then_resume_same_step_no_prompt_lost_or_trained_twice_then_sigter
         second.proc.send_signal(signal.SIGTERM)
         assert second.wait(60) == 0, second.log.read_text()[-3000:]
     finally:
-        kill_group(second.proc)
-        kill_group(actor)
+        kill_tree(second.proc)
+        kill_tree(actor)
     log = second.log.read_text()
     assert f"resumed from {ckpt} at step {k}" in log
     run2 = _lines(audit2)

@@ -1,0 +1,39 @@
+"""Process helpers shared by the integration and chaos tests (processes are found by PID only)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+
+import psutil
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports (bound together, then released: a small race, fine in tests)."""
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a process we started and all its descendants, by PID (torchrun's ranks live in
+    sessions of their own, so a process-group kill alone could miss them)."""
+    try:
+        procs = [psutil.Process(proc.pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        procs = []
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=30)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        pass
