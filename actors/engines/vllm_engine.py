@@ -4,7 +4,7 @@ In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by ``dapo.runtime.service_
 ``collective_rpc("reload_weights", ...)`` can pass tensors directly: across processes vLLM's
 RPC would msgpack them into lists. ``reload_weights`` (not ``model.load_weights``) because on
 CPU vLLM repacks linear weights after loading and only the reload path redoes that.
-See /work/shared/reference/vllm-on-cpu.md §5.
+See shared/reference/vllm-on-cpu.md (beside the checkout) §5.
 """
 
 from __future__ import annotations
