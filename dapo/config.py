@@ -265,6 +265,10 @@ class TransportConfig:
     """Deadline of every gRPC call and socket operation, in seconds."""
     heartbeat_timeout_s: float = 10.0
     """An actor silent this long is declared dead and its leases are re-issued, in seconds."""
+    shutdown_drain_s: float = 5.0
+    """At the end of a run the learner keeps its services up at most this long, until every actor
+    has heard the shutdown (next heartbeat) and left, so none finds the learner gone mid-call, in
+    seconds. 0 = stop at once."""
     queue_max_groups: int = 256
     """Replay-queue high-water mark: at most this many decoded groups held, in groups."""
     lease_timeout_s: float = 600.0
@@ -289,6 +293,7 @@ class TransportConfig:
         _check(self.weight_chunk_bytes >= 4096, "transport.weight_chunk_bytes", self.weight_chunk_bytes, ">= 4096")
         _check(self.rpc_timeout_s > 0, "transport.rpc_timeout_s", self.rpc_timeout_s, "> 0")
         _check(self.heartbeat_timeout_s > 0, "transport.heartbeat_timeout_s", self.heartbeat_timeout_s, "> 0")
+        _check(self.shutdown_drain_s >= 0, "transport.shutdown_drain_s", self.shutdown_drain_s, ">= 0")
         _check(self.queue_max_groups >= 1, "transport.queue_max_groups", self.queue_max_groups, ">= 1")
         _check(self.lease_timeout_s > 0, "transport.lease_timeout_s", self.lease_timeout_s, "> 0")
         _check(self.lease_retry_after_s >= 0, "transport.lease_retry_after_s", self.lease_retry_after_s, ">= 0")

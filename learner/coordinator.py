@@ -136,6 +136,7 @@ class Coordinator:
         self.run_id = run_id or secrets.token_hex(8)
         self._clock = clock
         self._lock = threading.RLock()
+        self._actors_changed = threading.Condition(self._lock)
         self._num_rows = len(source)
         self._version = 0
         self._epoch, self._position = 0, 0
@@ -178,6 +179,21 @@ class Coordinator:
         """Stop leasing; heartbeats tell actors to leave."""
         with self._lock:
             self._shutdown = True
+
+    def wait_for_actors_to_leave(self, timeout_s: float) -> int:
+        """After ``request_shutdown``: block until every actor has left (or been expired), at most
+        ``timeout_s``, so actors hear the shutdown and return their leases while the services are
+        still up. Returns how many actors are still registered."""
+        deadline = self._clock() + timeout_s
+        with self._lock:
+            while self._actors:
+                self._expire_locked()
+                remaining = deadline - self._clock()
+                if not self._actors or remaining <= 0:
+                    break
+                # Leave notifies; the periodic wake-up runs expiry for actors that went silent.
+                self._actors_changed.wait(min(remaining, 0.5))
+            return len(self._actors)
 
     # ------------------------------------------------------------------ actors
 
@@ -429,6 +445,7 @@ class Coordinator:
         for lease_id in sorted(actor.lease_ids):
             self._reissue_locked(self._active[lease_id], counter)
         del self._actors[actor.actor_id]
+        self._actors_changed.notify_all()
         return n
 
     def _end_lease_locked(self, lease: _Lease) -> None:

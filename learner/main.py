@@ -75,7 +75,9 @@ def main(argv: list[str]) -> int:
         if services is not None:
             services.coordinator.request_shutdown()
     if services is not None:
-        print(f"learner: stopped at step {step} ({stop.reason or 'total_steps reached'})", flush=True)
+        left = services.coordinator.wait_for_actors_to_leave(cfg.transport.shutdown_drain_s)
+        print(f"learner: stopped at step {step} ({stop.reason or 'total_steps reached'})"
+              + (f"; {left} actor(s) had not left after transport.shutdown_drain_s" if left else ""), flush=True)
         services.server.stop()
         services.replay.close()
         services.publisher.close()

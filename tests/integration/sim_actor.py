@@ -5,8 +5,8 @@
 
 Registers, leases prompts, pushes groups of G random responses (accuracy mixed so dynamic
 sampling keeps them), keeps its weights current on the chosen path (checksums verified by the
-client) and appends one JSON line per weight load to --out. Exits when the coordinator says
-shutdown or the learner goes away.
+client) and appends one JSON line per weight load to --out. On shutdown it fetches the final
+version (network path), leaves, and exits; also exits when the learner goes away.
 """
 
 from __future__ import annotations
@@ -98,8 +98,6 @@ def main() -> None:
     while time.monotonic() < t_end:
         try:
             hb = client.heartbeat(actor_id, max(state["version"], 0))
-            if hb.shutdown:
-                break
             if args.weight_path == "network" and hb.latest_version > state["version"]:
                 try:
                     version, weights, stats = net.fetch(actor_id)
@@ -113,6 +111,9 @@ def main() -> None:
                     log("network", version, stats)
                 except grpc.RpcError:
                     pass  # nothing published yet (UNAVAILABLE)
+            if hb.shutdown:  # after fetching: the run's final version is the one tests compare
+                client.leave(actor_id)
+                break
             if state["version"] < 0:
                 time.sleep(0.05)
                 continue
@@ -133,7 +134,10 @@ def main() -> None:
                     response_lengths=lens, versions=np.full(g_size, state["version"], np.int64),
                     version_changes=np.zeros((0, 3), np.int64), rewards=acc * 2 - 1, acc=acc,
                     scores=acc.copy(), finish_reasons=tuple("stop" for _ in range(g_size)))
-                push.send_multipart(encode_group(group, args.token))
+                try:
+                    push.send_multipart(encode_group(group, args.token))
+                except zmq.Again:  # queue full for SNDTIMEO: the lease times out and is re-issued
+                    pass
         except CoordinatorError as exc:
             if "UNAVAILABLE" in str(exc) or "DEADLINE" in str(exc):
                 break  # learner gone

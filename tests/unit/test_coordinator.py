@@ -181,6 +181,32 @@ def test_return_and_leave_reissue() -> None:
     assert sorted(g.prompt_id for g in again[:3]) == sorted(g.prompt_id for g in grants)
 
 
+def test_shutdown_drain_returns_when_the_last_actor_leaves_or_is_expired() -> None:
+    clock = Clock()
+    coord = make(clock=clock)
+    a, b = coord.register("a"), coord.register("b")
+    coord.request_shutdown()
+    assert coord.heartbeat(a, 0) == (0, True)
+    assert coord.wait_for_actors_to_leave(0.0) == 2  # no time: both still registered
+    coord.leave(a)
+    clock.t += 11  # b went silent past heartbeat_timeout_s: the drain expires it instead of waiting
+    assert coord.wait_for_actors_to_leave(3600.0) == 0
+    assert coord.counters()["actors_left"] == 1 and coord.counters()["actors_expired"] == 1
+
+
+def test_shutdown_drain_wakes_on_leave_from_another_thread() -> None:
+    import threading
+
+    coord = make()
+    a = coord.register("a")
+    coord.request_shutdown()
+    leaver = threading.Thread(target=coord.leave, args=(a,))
+    with coord._lock:  # the leave can only land once the drain waits (and releases the lock)
+        leaver.start()
+        assert coord.wait_for_actors_to_leave(60.0) == 0  # the fake clock never moves: only Leave ends it
+    leaver.join(10)
+
+
 def test_mismatched_group_is_dropped_and_lease_stays_active() -> None:
     coord = make(N=4, k=0)
     buf = make_buffer(coord)
