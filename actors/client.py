@@ -146,13 +146,14 @@ class CollectiveFollower:
     def __init__(self, host: str, port: int, name: str, *, timeout_s: float) -> None:
         self._args = (host, port, name, timeout_s)
         self._latest: tuple[int, dict[str, torch.Tensor]] | None = None
+        self.error: Exception | None = None
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="actor-collective-weights")
         self._thread.start()
 
     def _run(self) -> None:
-        from actors.weight_client import CollectiveWeightReceiver
+        from actors.weight_client import CollectiveUnsupported, CollectiveWeightReceiver
 
         host, port, name, timeout_s = self._args
         receiver = None
@@ -162,6 +163,11 @@ class CollectiveFollower:
                     receiver = CollectiveWeightReceiver(host, port, name, timeout_s=timeout_s)
                     log.info("joined the collective weight group at %s:%d as %s", host, port, name)
                 version, state, _ = receiver.receive()
+            except CollectiveUnsupported as exc:  # joining would stall every sync: stay out, say why
+                self.error = exc
+                log.error("collective weights: %s. This actor now takes every version over the network "
+                          "path (the actor loop fetches whatever the follower does not bring).", exc)
+                return
             except Exception as exc:  # noqa: BLE001 - store timeouts between publishes, failed syncs
                 log.debug("collective weights: %s", exc)
                 if receiver is None:  # the learner's store is not up: do not spin

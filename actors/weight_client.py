@@ -6,8 +6,9 @@
              -> verify blake3 per chunk -> refetch bad chunks (range requests) -> state dict
              (no side channel announced: FetchWeights gRPC stream, the slow fallback)
  collective: join through the learner's TCPStore -> wait for sync/<s> -> (new generation: build
-             ProcessGroupGloo) -> bucketed broadcast into a reused buffer -> verify -> refetch bad
-             chunks over the network path -> ack timings -> state dict
+             the group: gloo, or NCCL into a CUDA buffer copied to host) -> bucketed broadcast into
+             a reused buffer -> verify -> refetch bad chunks over the network path -> ack timings
+             -> state dict
 ```
 
 Every blocking call has a deadline (``timeout_s``). Checksums are always verified; a corrupted
@@ -28,11 +29,16 @@ import torch
 import torch.distributed as dist
 
 from dapo.weights import TensorEntry, WeightError, WeightManifest, bad_chunks, unflatten
+from protos import collective
 from protos import coordinator_pb2 as pb
 
 
 class WeightFetchError(RuntimeError):
     """Weights could not be fetched or verified within the deadline / retry budget."""
+
+
+class CollectiveUnsupported(WeightFetchError):
+    """The learner's collective backend cannot run in this process (e.g. NCCL on a CPU actor)."""
 
 
 @dataclass
@@ -140,12 +146,12 @@ def repair(buf: torch.Tensor, manifest: WeightManifest, read_range: Callable[[me
 class _Buffers:
     """One reusable receive buffer (first-touch page faults cost ~30x a memcpy)."""
 
-    def __init__(self) -> None:
-        self._buf = torch.empty(0, dtype=torch.uint8)
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self._buf = torch.empty(0, dtype=torch.uint8, device=device)
 
     def get(self, nbytes: int) -> torch.Tensor:
         if self._buf.numel() < nbytes:
-            self._buf = torch.empty(nbytes, dtype=torch.uint8)
+            self._buf = torch.empty(nbytes, dtype=torch.uint8, device=self._buf.device)
         return self._buf[:nbytes]
 
 
@@ -222,8 +228,11 @@ class CollectiveWeightReceiver:
 
     def __init__(self, host: str, port: int, name: str, *, timeout_s: float, bucket_bytes: int = 64 << 20,
                  repair_read: Callable[[memoryview, int, int], None] | None = None, max_refetch: int = 3,
-                 after_receive: Callable[[torch.Tensor], None] | None = None) -> None:
+                 after_receive: Callable[[torch.Tensor], None] | None = None,
+                 cuda_device: torch.device | None = None) -> None:
         self.name = name
+        self._cuda_device = cuda_device  # NCCL receive device; None = the current CUDA device
+        self._staging: _Buffers | None = None
         self._timeout = timedelta(seconds=timeout_s)
         self._bucket_bytes = bucket_bytes
         self._repair_read = repair_read
@@ -233,6 +242,7 @@ class CollectiveWeightReceiver:
         self._pg = None
         self._gen = -1
         self._buffers = _Buffers()
+        self._staging_buffers(self.store.get("backend").decode())  # refuse before joining, not mid-sync
         self._join()
 
     def _join(self) -> None:
@@ -254,19 +264,25 @@ class CollectiveWeightReceiver:
             return self.receive()
         t0 = time.perf_counter()
         manifest = WeightManifest.from_json(self.store.get(f"manifest/{meta['version']}"))
+        backend = meta.get("backend", "gloo")
+        staging = self._staging_buffers(backend)
         if meta["gen"] != self._gen:
             prefix = dist.PrefixStore(f"gen/{meta['gen']}/", self.store)
-            self._pg = dist.ProcessGroupGloo(prefix, meta["members"].index(self.name) + 1,
-                                             len(meta["members"]) + 1, self._timeout)
+            self._pg = collective.new_group(backend, prefix, meta["members"].index(self.name) + 1,
+                                            len(meta["members"]) + 1, self._timeout)
             self._gen = meta["gen"]
         buf = self._buffers.get(manifest.total_bytes)
+        dst = buf if staging is None else staging.get(manifest.total_bytes)
         t1 = time.perf_counter()
         try:
-            for start in range(0, buf.numel(), self._bucket_bytes):
-                work = self._pg.broadcast(buf[start:start + self._bucket_bytes], 0, self._timeout)
+            for start in range(0, dst.numel(), self._bucket_bytes):
+                work = self._pg.broadcast(dst[start:start + self._bucket_bytes], 0, self._timeout)
                 if not work.wait(self._timeout):
                     raise TimeoutError(f"bucket at byte {start}")
+            if staging is not None:  # checksums and the engine's loader read host memory
+                buf.copy_(dst)
         except Exception as exc:  # noqa: BLE001 - the group is unusable; rejoin next time
+            collective.abort(self._pg)
             self._pg, self._gen = None, -1
             self._join()
             raise WeightFetchError(f"collective receive of version {manifest.version} failed: {exc}; "
@@ -291,8 +307,23 @@ class CollectiveWeightReceiver:
         self._sync += 1
         return manifest.version, unflatten(buf, manifest), stats
 
+    def _staging_buffers(self, backend: str) -> _Buffers | None:
+        """None for gloo (receive straight into host memory); a CUDA buffer for NCCL."""
+        if backend == "gloo":
+            return None
+        if backend != "nccl" or not (torch.cuda.is_available() and dist.is_nccl_available()):
+            # Joining would stall every sync of the group until the learner's timeout: refuse for good.
+            raise CollectiveUnsupported(
+                f"the learner broadcasts weights with {backend!r}, which this actor cannot receive "
+                f"(CUDA available: {torch.cuda.is_available()}, NCCL available: {dist.is_nccl_available()}); "
+                "start the learner with transport.collective_backend=gloo, or this actor with "
+                "transport.weight_path=network")
+        if self._staging is None:
+            self._staging = _Buffers(self._cuda_device or torch.device("cuda", torch.cuda.current_device()))
+        return self._staging
+
     def close(self) -> None:
-        self._pg = None
+        self._pg, self._staging = None, None
 
 
 def fetch_weights(grpc_target: str, auth_token: str, *, timeout_s: float) -> tuple[int, dict[str, torch.Tensor]]:

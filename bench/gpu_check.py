@@ -12,6 +12,9 @@ Checks:
   publish    0.5B Qwen2 (Qwen2.5-0.5B shape, random init, bf16 on the wire): FSDP full-state gather
              to CPU, serialise + blake3, and a network fetch by a separate client process over the
              raw TCP side channel (verified); seconds for each stage.
+  collective the collective weight path with the backend ``auto`` picks (NCCL on CUDA, gloo on CPU):
+             publisher on --device, a receiver thread on a second GPU (NCCL refuses two ranks on one
+             device: with one GPU the check says so and is skipped), bit-exact weights, seconds.
 """
 
 from __future__ import annotations
@@ -144,11 +147,64 @@ def check_publish(device: torch.device, small: bool) -> dict:
             "transfer_MBps": nbytes / min(f["transfer_s"] for f in fetch) / 1e6, "ok": True}
 
 
+def check_collective(device: torch.device, small: bool) -> dict:
+    import threading
+
+    from actors.weight_client import CollectiveWeightReceiver
+    from learner.publisher import WeightPublisher
+    from protos.collective import resolve_backend
+
+    backend = resolve_backend("auto", device)
+    if backend == "nccl" and torch.cuda.device_count() < 2:
+        return {"check": "collective", "backend": backend, "ok": True,
+                "skipped": f"NCCL needs a second GPU for the actor ({torch.cuda.device_count()} visible)"}
+    peer = torch.device("cuda", (device.index or 0) + 1) if backend == "nccl" else None
+    sd = {k: v.to(torch.bfloat16) for k, v in qwen2(small).state_dict().items()}
+    pub = WeightPublisher(host="127.0.0.1", side_channel_port=0, auth_token="gpu-check", chunk_bytes=4 << 20,
+                          timeout_s=120.0, collective_port=0, collective_backend=backend, device=device)
+    got, errors = [], []
+
+    def actor() -> None:
+        try:
+            rx = CollectiveWeightReceiver("127.0.0.1", pub.collective.port, "gpu-check-actor", timeout_s=120.0,
+                                          cuda_device=peer)
+            for _ in range(2):  # the join sync, then a timed one
+                v, out, stats = rx.receive()
+                got.append((v, {k: t.clone() for k, t in out.items()}, stats))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    th = threading.Thread(target=actor, daemon=True)
+    th.start()
+    try:
+        version, m = 0, {}
+        deadline = time.monotonic() + 120
+        while not m.get("weights/collective_members") and not errors:  # until a publish includes the actor
+            if time.monotonic() > deadline:
+                raise TimeoutError("the receiver never joined")
+            version += 1
+            m = pub.publish(sd, version=version)
+            th.join(0.05)
+        m = pub.publish(sd, version=version + 1)
+        th.join(120)
+        if errors or pub.last_collective_error:
+            raise RuntimeError(f"{errors or pub.last_collective_error}")
+    finally:
+        pub.close()
+    (_, _, _), (v2, out, stats) = got
+    exact = v2 == version + 1 and all(torch.equal(out[k].cpu(), sd[k]) for k in sd)
+    nbytes = stats.bytes
+    return {"check": "collective", "backend": backend, "wire_bytes": nbytes, "bit_exact": exact,
+            "learner_transfer_s": m["time/collective_transfer_s"], "actor_transfer_s": stats.transfer_s,
+            "actor_verify_s": stats.verify_s, "transfer_MBps": nbytes / m["time/collective_transfer_s"] / 1e6,
+            "ok": exact}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="tiny model everywhere (a CPU dry run)")
-    ap.add_argument("--checks", nargs="+", default=["exactness", "bf16_step", "publish"])
+    ap.add_argument("--checks", nargs="+", default=["exactness", "bf16_step", "publish", "collective"])
     args = ap.parse_args()
     device = torch.device(args.device)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -161,7 +217,7 @@ def main() -> None:
             t0 = time.perf_counter()
             try:
                 out = {"exactness": check_exactness, "bf16_step": check_bf16_step,
-                       "publish": check_publish}[name](device, args.small)
+                       "publish": check_publish, "collective": check_collective}[name](device, args.small)
             except Exception as exc:  # noqa: BLE001 - report every check, then fail
                 out = {"check": name, "ok": False, "error": repr(exc)[:500]}
             out["wall_s"] = time.perf_counter() - t0

@@ -257,6 +257,10 @@ class TransportConfig:
     ``collective`` (gloo on CPU / NCCL on GPU group of learner rank 0 and the actors)."""
     collective_port: int = 50054
     """TCPStore port of the weight-broadcast collective group."""
+    collective_backend: str = "auto"
+    """Backend of the collective weight path: ``gloo`` (CPU buffers), ``nccl`` (CUDA buffers; learner
+    rank 0 and every actor on distinct GPUs) or ``auto`` (NCCL when the learner trains on CUDA).
+    Actors follow whatever the learner chose."""
     weight_chunk_bytes: int = 4 << 20
     """Chunk size of weight transfers (each chunk carries a checksum), in bytes."""
     max_message_bytes: int = 64 << 20
@@ -289,6 +293,8 @@ class TransportConfig:
             _check(0 <= port < 65536, f"transport.{key}", port, "a TCP port in [0, 65535]")
         _check(self.weight_path in ("network", "collective"), "transport.weight_path",
                self.weight_path, "network or collective")
+        _check(self.collective_backend in ("auto", "gloo", "nccl"), "transport.collective_backend",
+               self.collective_backend, "auto, gloo or nccl")
         _check(len(self.auth_token) > 0, "transport.auth_token", self.auth_token, "a non-empty string")
         _check(self.weight_chunk_bytes >= 4096, "transport.weight_chunk_bytes", self.weight_chunk_bytes, ">= 4096")
         _check(self.rpc_timeout_s > 0, "transport.rpc_timeout_s", self.rpc_timeout_s, "> 0")

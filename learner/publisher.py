@@ -7,8 +7,8 @@
  VersionStore (latest `keep_versions` versions, ref-counted buffers)
    ├── WeightSource hook  -> gRPC GetWeightInfo / FetchWeights (learner/service.py, slow fallback)
    ├── SideChannelServer  -> raw TCP: 4-byte LE length + WeightRangeRequest, answer = raw bytes
-   └── CollectiveBroadcaster -> TCPStore + ProcessGroupGloo of {rank 0} ∪ joined actors,
-                                rebuilt when membership changes; bucketed broadcasts
+   └── CollectiveBroadcaster -> TCPStore + a gloo (CPU) or NCCL (CUDA) group of {rank 0} ∪ joined
+                                actors, rebuilt when membership changes; bucketed broadcasts
 ```
 
 Why a raw TCP side channel: measured on this VM gRPC-python streams ~0.3 GB/s, a raw socket
@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from dapo.weights import WeightManifest, flatten_state_dict
+from protos import collective
 from protos import coordinator_pb2 as pb
 
 MAX_REQUEST_BYTES = 1 << 16
@@ -190,22 +191,27 @@ class _Member:
 @dataclass
 class CollectiveBroadcaster:
     """Learner side of the collective path. Actors join through the TCPStore (``actors/weight_client``
-    has the protocol); membership changes start a new generation = a new ProcessGroupGloo.
+    has the protocol); membership changes start a new generation = a new process group.
 
-    Store keys: ``join_seq`` (counter), ``join/<n>`` = actor name, ``join/<n>/sync`` = first sync it
-    is in, ``sync/<s>`` = JSON {version, gen, members, manifest}, ``ack/<s>/<name>`` = actor timings.
+    Store keys: ``backend``, ``join_seq`` (counter), ``join/<n>`` = actor name, ``join/<n>/sync`` = first sync it
+    is in, ``sync/<s>`` = JSON {version, gen, members, backend}, ``manifest/<version>``,
+    ``ack/<s>/<name>`` = actor timings. ``backend`` is ``gloo`` (CPU buffers) or ``nccl`` (the
+    buffer is staged once per sync on ``device``, a CUDA device; protos/collective.py).
     """
 
     host: str
     port: int
     timeout_s: float
     bucket_bytes: int
+    backend: str = "gloo"
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     members: list[_Member] = field(default_factory=list)
     generation: int = 0
     sync_index: int = 0
     _pg: object | None = None
     _seen_tickets: int = 0
     _rebuild: bool = True
+    _staging: torch.Tensor | None = None  # NCCL: the CUDA copy of the flat buffer, reused
 
     def __post_init__(self) -> None:
         # TCPStore(host, ...) as master listens on all interfaces whatever `host` says, and has no
@@ -220,6 +226,7 @@ class CollectiveBroadcaster:
         self.port = listener.getsockname()[1]
         self.store = dist.TCPStore(self.host, self.port, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=self.timeout_s), master_listen_fd=listener.detach())
+        self.store.set("backend", self.backend)  # an actor that cannot use it stays out (no stalled syncs)
 
     def _new_joins(self) -> list[_Member]:
         n = self.store.add("join_seq", 0)
@@ -246,20 +253,25 @@ class CollectiveBroadcaster:
         self.store.set(f"manifest/{manifest.version}", manifest.to_json())
         names = [m.name for m in self.members]
         self.store.set(f"sync/{s}", json.dumps({"version": manifest.version, "gen": self.generation,
-                                                "members": names}))
+                                                "members": names, "backend": self.backend}))
         t0 = time.perf_counter()
         try:
             if self._rebuild:
                 prefix = dist.PrefixStore(f"gen/{self.generation}/", self.store)
-                self._pg = dist.ProcessGroupGloo(prefix, 0, len(names) + 1, timedelta(seconds=self.timeout_s))
+                self._pg = collective.new_group(self.backend, prefix, 0, len(names) + 1,
+                                                timedelta(seconds=self.timeout_s))
                 self._rebuild = False
             t1 = time.perf_counter()
-            for start in range(0, buf.numel(), self.bucket_bytes):
-                bucket = buf[start:start + self.bucket_bytes]
+            src = self._stage(buf)
+            for start in range(0, src.numel(), self.bucket_bytes):
+                bucket = src[start:start + self.bucket_bytes]
                 work = self._pg.broadcast(bucket, 0, timedelta(seconds=self.timeout_s))
                 if not work.wait(timedelta(seconds=self.timeout_s)):
                     raise TimeoutError(f"bucket at byte {start} not done in {self.timeout_s} s")
-        except Exception as exc:  # noqa: BLE001 - any gloo failure means the group is unusable
+            if src.is_cuda:  # wait(timeout) ordered the stream; the time must include the transfer
+                torch.cuda.synchronize(src.device)
+        except Exception as exc:  # noqa: BLE001 - any gloo/NCCL failure means the group is unusable
+            collective.abort(self._pg)
             self.members, self._pg, self._rebuild = [], None, True
             raise CollectiveSyncError(
                 f"collective weight sync of version {manifest.version} (generation {self.generation}, "
@@ -269,6 +281,15 @@ class CollectiveBroadcaster:
         t2 = time.perf_counter()
         return {"weights/collective_members": float(len(names)), "time/collective_group_s": t1 - t0,
                 "time/collective_transfer_s": t2 - t1}
+
+    def _stage(self, buf: torch.Tensor) -> torch.Tensor:
+        if self.backend != "nccl":
+            return buf
+        if self._staging is None or self._staging.numel() < buf.numel():
+            self._staging = torch.empty(buf.numel(), dtype=torch.uint8, device=self.device)
+        staged = self._staging[:buf.numel()]
+        staged.copy_(buf)
+        return staged
 
     def has_new_joins(self) -> bool:
         return self.store.add("join_seq", 0) > self._seen_tickets
@@ -283,7 +304,7 @@ class CollectiveBroadcaster:
         return out
 
     def close(self) -> None:
-        self._pg = None
+        self._pg, self._staging = None, None
         del self.store
 
 
@@ -292,13 +313,15 @@ class WeightPublisher:
 
     def __init__(self, *, host: str, side_channel_port: int, auth_token: str, chunk_bytes: int,
                  timeout_s: float, dtype: torch.dtype | None = None, collective_port: int | None = None,
-                 bucket_bytes: int = 64 << 20, keep_versions: int = 2) -> None:
+                 bucket_bytes: int = 64 << 20, keep_versions: int = 2, collective_backend: str = "gloo",
+                 device: torch.device | None = None) -> None:
         self.chunk_bytes = chunk_bytes
         self.dtype = dtype
         self.store = VersionStore(keep_versions)
         self.server = SideChannelServer(self.store, host=host, port=side_channel_port, auth_token=auth_token,
                                         timeout_s=timeout_s)
-        self.collective = (CollectiveBroadcaster(host, collective_port, timeout_s, bucket_bytes)
+        self.collective = (CollectiveBroadcaster(host, collective_port, timeout_s, bucket_bytes, collective_backend,
+                                                 device or torch.device("cpu"))
                            if collective_port is not None else None)
         self.last_collective_error: CollectiveSyncError | None = None
 

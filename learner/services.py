@@ -8,6 +8,7 @@ import torch
 
 from dapo.config import DapoConfig, to_dict
 from learner import loop
+from protos.collective import resolve_backend
 
 
 class _Source:
@@ -24,8 +25,10 @@ class _Source:
         return p.prompt_token_ids, p.data_source, p.ground_truth
 
 
-def start_services(cfg: DapoConfig, model_path: Path, coordinator_state: dict | None) -> loop.Rank0Services:
-    """Start everything rank 0 serves; ``coordinator_state`` comes from a checkpoint (resume)."""
+def start_services(cfg: DapoConfig, model_path: Path, coordinator_state: dict | None,
+                   device: torch.device = torch.device("cpu")) -> loop.Rank0Services:
+    """Start everything rank 0 serves; ``coordinator_state`` comes from a checkpoint (resume);
+    ``device`` is rank 0's training device (it decides the collective weight path's backend)."""
     from transformers import AutoTokenizer
 
     from dapo.data import build_dataset
@@ -45,7 +48,8 @@ def start_services(cfg: DapoConfig, model_path: Path, coordinator_state: dict | 
         host=t.host, side_channel_port=t.weight_port, auth_token=t.auth_token, chunk_bytes=t.weight_chunk_bytes,
         timeout_s=cfg.learner.weight_sync_timeout_s, dtype=getattr(torch, cfg.model.dtype),
         collective_port=t.collective_port if t.weight_path == "collective" else None,
-        bucket_bytes=cfg.learner.weight_bucket_bytes)
+        bucket_bytes=cfg.learner.weight_bucket_bytes, device=device,
+        collective_backend=resolve_backend(t.collective_backend, device))
     server = serve_coordinator(cfg, coordinator, zmq_endpoint=replay.start(), queue=replay, weight_source=publisher)
     run_dir = Path(cfg.run.run_dir)
     metrics = MetricsLogger(run_dir, wandb=cfg.learner.wandb, prometheus_port=cfg.learner.prometheus_port,
@@ -57,7 +61,8 @@ def start_services(cfg: DapoConfig, model_path: Path, coordinator_state: dict | 
         evaluator = Evaluator(cfg, model_path)
     services = loop.Rank0Services(coordinator, replay, publisher, metrics, run_dir / "trained_prompts.jsonl", server,
                                   evaluator)
-    collective = f", collective store port {publisher.collective.port}" if publisher.collective else ""
+    collective = (f", {publisher.collective.backend} collective store port {publisher.collective.port}"
+                  if publisher.collective else "")
     print(f"learner: coordinator {server.address}, replay {replay.endpoint}, weights {publisher.server.endpoint}"
           f" ({t.weight_path}{collective})", flush=True)
     return services

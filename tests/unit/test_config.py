@@ -69,6 +69,8 @@ def test_default_is_dapo_and_overrides_apply_on_top_of_a_preset():
     ("learner.lr=-1", "learner.lr"),
     ("actor.top_p=0", "actor.top_p"),
     ("transport.grpc_port=70000", "transport.grpc_port"),
+    ("transport.collective_backend=mpi", "transport.collective_backend"),
+    ("transport.shutdown_drain_s=-1", "transport.shutdown_drain_s"),
     ("algorithm.eps_low=abc", "algorithm.eps_low"),  # wrong type
     ("learner.num_ranks=1.5", "learner.num_ranks"),
     ("algorithm.foo=1", "algorithm.foo"),  # unknown keys

@@ -184,7 +184,8 @@ def test_return_and_leave_reissue() -> None:
 def test_shutdown_drain_returns_when_the_last_actor_leaves_or_is_expired() -> None:
     clock = Clock()
     coord = make(clock=clock)
-    a, b = coord.register("a"), coord.register("b")
+    a = coord.register("a")
+    coord.register("b")  # goes silent
     coord.request_shutdown()
     assert coord.heartbeat(a, 0) == (0, True)
     assert coord.wait_for_actors_to_leave(0.0) == 2  # no time: both still registered

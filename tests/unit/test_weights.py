@@ -256,3 +256,29 @@ def test_collective_new_member_gets_the_latest_version_without_a_new_publish():
         assert pub.sync_new_members() == {}  # no new joins: nothing to do
     finally:
         pub.close()
+
+
+def test_collective_backend_resolution_and_clear_errors():
+    from protos.collective import resolve_backend
+
+    cpu = torch.device("cpu")
+    assert resolve_backend("auto", cpu) == "gloo" and resolve_backend("gloo", cpu) == "gloo"
+    with pytest.raises(ValueError, match="collective_backend=gloo or auto"):
+        resolve_backend("nccl", cpu)
+    with pytest.raises(ValueError, match="expected one of auto, gloo, nccl"):
+        resolve_backend("mpi", cpu)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal of a CPU-only actor")
+def test_cpu_actor_refuses_an_nccl_group_before_joining_and_the_group_keeps_working():
+    from actors.weight_client import CollectiveUnsupported
+
+    pub = _publisher(collective_port=0, collective_backend="nccl")  # the store only: no NCCL call yet
+    try:
+        with pytest.raises(CollectiveUnsupported, match="weight_path=network"):
+            CollectiveWeightReceiver("127.0.0.1", pub.collective.port, "cpu-actor", timeout_s=10.0)
+        assert pub.collective.store.add("join_seq", 0) == 0  # never joined: no sync waits for it
+        m = pub.publish(_state_dict(), version=1)
+        assert m["weights/collective_members"] == 0.0 and "weights/collective_error" not in m
+    finally:
+        pub.close()
