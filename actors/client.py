@@ -147,6 +147,7 @@ class CollectiveFollower:
         self._args = (host, port, name, timeout_s)
         self._latest: tuple[int, dict[str, torch.Tensor]] | None = None
         self.error: Exception | None = None
+        self._receiver = None
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="actor-collective-weights")
@@ -160,7 +161,7 @@ class CollectiveFollower:
         while not self._closed.is_set():
             try:
                 if receiver is None:
-                    receiver = CollectiveWeightReceiver(host, port, name, timeout_s=timeout_s)
+                    receiver = self._receiver = CollectiveWeightReceiver(host, port, name, timeout_s=timeout_s)
                     log.info("joined the collective weight group at %s:%d as %s", host, port, name)
                 version, state, _ = receiver.receive()
             except CollectiveUnsupported as exc:  # joining would stall every sync: stay out, say why
@@ -186,3 +187,5 @@ class CollectiveFollower:
 
     def close(self) -> None:
         self._closed.set()
+        if self._receiver is not None:  # the learner's next sync drops this member instead of failing on it
+            self._receiver.leave()

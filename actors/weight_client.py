@@ -231,6 +231,7 @@ class CollectiveWeightReceiver:
                  after_receive: Callable[[torch.Tensor], None] | None = None,
                  cuda_device: torch.device | None = None) -> None:
         self.name = name
+        self._address = (host, port)
         self._cuda_device = cuda_device  # NCCL receive device; None = the current CUDA device
         self._staging: _Buffers | None = None
         self._timeout = timedelta(seconds=timeout_s)
@@ -321,6 +322,16 @@ class CollectiveWeightReceiver:
         if self._staging is None:
             self._staging = _Buffers(self._cuda_device or torch.device("cuda", torch.cuda.current_device()))
         return self._staging
+
+    def leave(self) -> None:
+        """Graceful stop: mark this member gone, so the learner's next sync drops it rather than
+        failing on it (and making every member rejoin). Best effort, on a connection of its own:
+        another thread may be blocked in ``receive()`` on ``self.store``."""
+        try:
+            store = dist.TCPStore(*self._address, is_master=False, timeout=timedelta(seconds=5))
+            store.set(f"left/{self._ticket}", "1")
+        except Exception:  # noqa: BLE001 - learner gone: nothing to tell
+            pass
 
     def close(self) -> None:
         self._pg, self._staging = None, None

@@ -193,10 +193,11 @@ class CollectiveBroadcaster:
     """Learner side of the collective path. Actors join through the TCPStore (``actors/weight_client``
     has the protocol); membership changes start a new generation = a new process group.
 
-    Store keys: ``backend``, ``join_seq`` (counter), ``join/<n>`` = actor name, ``join/<n>/sync`` = first sync it
-    is in, ``sync/<s>`` = JSON {version, gen, members, backend}, ``manifest/<version>``,
-    ``ack/<s>/<name>`` = actor timings. ``backend`` is ``gloo`` (CPU buffers) or ``nccl`` (the
-    buffer is staged once per sync on ``device``, a CUDA device; protos/collective.py).
+    Store keys: ``backend``, ``join_seq`` (counter), ``join/<n>`` = actor name, ``join/<n>/sync`` =
+    first sync it is in, ``sync/<s>`` = JSON {version, gen, members, backend}, ``manifest/<version>``,
+    ``ack/<s>/<name>`` = actor timings, ``left/<n>`` = member n stopped (dropped at the next sync).
+    ``backend`` is ``gloo`` (CPU buffers) or ``nccl`` (the buffer is staged once per sync on
+    ``device``, a CUDA device; protos/collective.py).
     """
 
     host: str
@@ -239,8 +240,9 @@ class CollectiveBroadcaster:
     def broadcast(self, buf: torch.Tensor, manifest: WeightManifest) -> dict[str, float]:
         """Push ``buf`` to all members (blocking, bounded by ``timeout_s``). Raises CollectiveSyncError."""
         joins = self._new_joins()
-        if joins:
-            self.members += joins
+        gone = [m for m in self.members if self.store.check([f"left/{m.ticket}"])]  # receivers' leave()
+        if joins or gone:
+            self.members = [m for m in self.members if m not in gone] + joins
             self._rebuild = True
         s = self.sync_index
         self.sync_index += 1

@@ -282,3 +282,31 @@ def test_cpu_actor_refuses_an_nccl_group_before_joining_and_the_group_keeps_work
         assert m["weights/collective_members"] == 0.0 and "weights/collective_error" not in m
     finally:
         pub.close()
+
+
+def test_a_member_that_leaves_is_dropped_without_failing_the_next_sync():
+    pub = _publisher(collective_port=0, bucket_bytes=1 << 20)
+    sd = _state_dict()
+    stays = CollectiveWeightReceiver("127.0.0.1", pub.collective.port, "stays", timeout_s=10.0)
+    goes = CollectiveWeightReceiver("127.0.0.1", pub.collective.port, "goes", timeout_s=10.0)
+    got = {"stays": [], "goes": []}
+
+    def receive(rx, n):
+        for _ in range(n):
+            got[rx.name].append(rx.receive()[0])
+
+    threads = [threading.Thread(target=receive, args=(stays, 2)), threading.Thread(target=receive, args=(goes, 1))]
+    for th in threads:
+        th.start()
+    try:
+        m = pub.publish(sd, version=1)  # both joined before it: one group of three
+        assert m["weights/collective_members"] == 2.0 and "weights/collective_error" not in m
+        threads[1].join(10)
+        goes.leave()  # a graceful stop: it will never call receive() again
+        m = pub.publish(sd, version=2)  # with "goes" still a member this fails after the timeout
+        assert m["weights/collective_members"] == 1.0 and "weights/collective_error" not in m, \
+            str(pub.last_collective_error)
+        threads[0].join(10)
+        assert got == {"stays": [1, 2], "goes": [1]}
+    finally:
+        pub.close()
