@@ -185,7 +185,10 @@ class Actor:
                 log.info("waiting for weights (%s): %s; next try in %.1fs", reason, exc, delay_s)
                 if self.stop.wait(delay_s):
                     return None
-                delay_s = min(delay_s * 2, self.cfg.actor.connect_retry_max_s)
+                # At most 1 s: after a learner restart this loop is where the actor notices that its
+                # session is gone (the heartbeat thread marks it); a 10 s back-off here once kept
+                # an actor away for a whole resumed run.
+                delay_s = min(delay_s * 2, 1.0, self.cfg.actor.connect_retry_max_s)
 
     def lease(self) -> list[pb.PromptLease]:
         """Lease prompts for the engine's current weights; waits (counted idle) when refused."""
