@@ -5,8 +5,6 @@ from __future__ import annotations
 import time
 import zlib
 
-from dapo.rewards import score
-
 
 def hang(data_source: str, response: str, ground_truth: str) -> tuple[float, bool, str]:
     """Never returns (within any test's lifetime)."""
@@ -15,11 +13,12 @@ def hang(data_source: str, response: str, ground_truth: str) -> tuple[float, boo
 
 
 def flaky(data_source: str, response: str, ground_truth: str) -> tuple[float, bool, str]:
-    """Hangs on a quarter of the responses, raises on another quarter (fixed by the text), else
-    scores with dapo.rewards."""
+    """Hangs on a quarter of the responses, raises on another quarter (fixed by the text), and
+    accepts the other half (reward +1, whatever the answer: a test that needs to see both -1 and
+    +1 must not depend on the tiny model being right; dapo.rewards has tests of its own)."""
     bucket = zlib.crc32(response.encode()) % 4
     if bucket == 0:
         time.sleep(3600)
     if bucket == 1:
         raise RuntimeError("verifier bug")
-    return score(data_source, response, ground_truth)
+    return 1.0, True, "accepted"

@@ -203,7 +203,7 @@ def test_actor_survives_learner_restart_and_a_hanging_raising_verifier(cluster):
     rows = wait_for("4 groups in the first learner",
                     lambda: (lambda r: r if len(r) >= 4 else None)(audit(first, "group")), 90, [actor])
     scores = [s for r in rows for s in r["scores"]]
-    assert -1.0 in scores and 1.0 in scores  # failures scored -1, the rest scored normally
+    assert -1.0 in scores and 1.0 in scores  # failures scored -1, the rest as the verifier said
     wait_for("verifier errors reported in heartbeats",
              lambda: getattr(c.actor_status(actor), "counters", pb.ActorCounters()).verifier_errors > 0, 30, [actor])
     os.kill(learner.pid, signal.SIGKILL)  # a crash, not a clean stop
