@@ -250,6 +250,7 @@ class CollectiveWeightReceiver:
         ticket = self.store.add("join_seq", 1)
         self.store.set(f"join/{ticket}", self.name)
         self._ticket = ticket
+        self._member = f"{self.name}#{ticket}"  # how sync records name this member (names may repeat)
         self._sync: int | None = None
 
     def receive(self) -> tuple[int, dict[str, torch.Tensor], FetchStats]:
@@ -259,7 +260,7 @@ class CollectiveWeightReceiver:
         key = f"sync/{self._sync}"
         self.store.wait([key], self._timeout)
         meta = json.loads(self.store.get(key))
-        if self.name not in meta["members"]:  # evicted after a failed sync: rejoin for the next one
+        if self._member not in meta["members"]:  # evicted after a failed sync: rejoin for the next one
             self._pg, self._gen = None, -1
             self._join()
             return self.receive()
@@ -269,7 +270,7 @@ class CollectiveWeightReceiver:
         staging = self._staging_buffers(backend)
         if meta["gen"] != self._gen:
             prefix = dist.PrefixStore(f"gen/{meta['gen']}/", self.store)
-            self._pg = collective.new_group(backend, prefix, meta["members"].index(self.name) + 1,
+            self._pg = collective.new_group(backend, prefix, meta["members"].index(self._member) + 1,
                                             len(meta["members"]) + 1, self._timeout)
             self._gen = meta["gen"]
         buf = self._buffers.get(manifest.total_bytes)
@@ -303,7 +304,7 @@ class CollectiveWeightReceiver:
         t3 = time.perf_counter()
         stats = FetchStats(manifest.version, t2 - t1, t3 - t2, refetched, manifest.total_bytes, "collective",
                            {"group_s": t1 - t0})
-        self.store.set(f"ack/{self._sync}/{self.name}", json.dumps(
+        self.store.set(f"ack/{self._sync}/{self._member}", json.dumps(
             {"transfer_s": stats.transfer_s, "verify_s": stats.verify_s, "refetched": refetched}))
         self._sync += 1
         return manifest.version, unflatten(buf, manifest), stats

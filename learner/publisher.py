@@ -187,6 +187,11 @@ class _Member:
     name: str
     ticket: int
 
+    @property
+    def key(self) -> str:
+        """How sync records name a member: actor names need not be unique, join tickets are."""
+        return f"{self.name}#{self.ticket}"
+
 
 @dataclass
 class CollectiveBroadcaster:
@@ -194,8 +199,8 @@ class CollectiveBroadcaster:
     has the protocol); membership changes start a new generation = a new process group.
 
     Store keys: ``backend``, ``join_seq`` (counter), ``join/<n>`` = actor name, ``join/<n>/sync`` =
-    first sync it is in, ``sync/<s>`` = JSON {version, gen, members, backend}, ``manifest/<version>``,
-    ``ack/<s>/<name>`` = actor timings, ``left/<n>`` = member n stopped (dropped at the next sync).
+    first sync it is in, ``sync/<s>`` = JSON {version, gen, members (``<name>#<n>``), backend},
+    ``manifest/<version>``, ``ack/<s>/<name>#<n>`` = actor timings, ``left/<n>`` = member n stopped (dropped at the next sync).
     ``backend`` is ``gloo`` (CPU buffers) or ``nccl`` (the buffer is staged once per sync on
     ``device``, a CUDA device; protos/collective.py).
     """
@@ -253,7 +258,7 @@ class CollectiveBroadcaster:
         if self._rebuild:
             self.generation += 1
         self.store.set(f"manifest/{manifest.version}", manifest.to_json())
-        names = [m.name for m in self.members]
+        names = [m.key for m in self.members]
         self.store.set(f"sync/{s}", json.dumps({"version": manifest.version, "gen": self.generation,
                                                 "members": names, "backend": self.backend}))
         t0 = time.perf_counter()
@@ -299,7 +304,7 @@ class CollectiveBroadcaster:
     def acks(self, sync_index: int) -> dict[str, dict]:
         """Timings the actors reported for a past sync (those that have reported)."""
         out = {}
-        for name in [m.name for m in self.members]:
+        for name in [m.key for m in self.members]:
             key = f"ack/{sync_index}/{name}"
             if self.store.check([key]):
                 out[name] = json.loads(self.store.get(key))

@@ -310,3 +310,24 @@ def test_a_member_that_leaves_is_dropped_without_failing_the_next_sync():
         assert got == {"stays": [1, 2], "goes": [1]}
     finally:
         pub.close()
+
+
+def test_two_actors_with_the_same_name_are_two_members():
+    pub = _publisher(collective_port=0, bucket_bytes=1 << 20)
+    sd = _state_dict()
+    twins = [CollectiveWeightReceiver("127.0.0.1", pub.collective.port, "twin", timeout_s=10.0) for _ in range(2)]
+    got = [[], []]
+    threads = [threading.Thread(target=lambda i=i: got[i].append(twins[i].receive())) for i in range(2)]
+    for th in threads:
+        th.start()
+    try:
+        m = pub.publish(sd, version=3)
+        assert m["weights/collective_members"] == 2.0 and "weights/collective_error" not in m, \
+            str(pub.last_collective_error)
+        for th in threads:
+            th.join(10)
+        assert [g[0][0] for g in got] == [3, 3]
+        assert all(torch.equal(g[0][1][k], sd[k]) for g in got for k in sd)
+        assert sorted(pub.collective.acks(0)) == ["twin#1", "twin#2"]
+    finally:
+        pub.close()
