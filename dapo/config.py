@@ -172,6 +172,9 @@ class ActorConfig:
         _check(self.engine in ("vllm", "torch"), "actor.engine", self.engine, "vllm or torch")
         _check(self.max_response_tokens > 0, "actor.max_response_tokens", self.max_response_tokens, "> 0")
         _check(self.temperature > 0, "actor.temperature", self.temperature, "> 0")
+        # vLLM's SamplingParams rejects it at the first generate call, long after start-up: say so now.
+        _check(self.engine != "vllm" or self.temperature <= 2.0, "actor.temperature", self.temperature,
+               "<= 2 with actor.engine=vllm (vLLM's limit; actor.engine=torch has none)")
         _check(0 < self.top_p <= 1, "actor.top_p", self.top_p, "0 < top_p <= 1")
         _check(self.prompts_per_lease >= 1, "actor.prompts_per_lease", self.prompts_per_lease, ">= 1")
         _check(self.update_mode in ("between_batches", "inflight"), "actor.update_mode",

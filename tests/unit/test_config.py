@@ -68,6 +68,7 @@ def test_default_is_dapo_and_overrides_apply_on_top_of_a_preset():
     ("algorithm.overlong_cache_tokens=100", "algorithm.overlong_cache_tokens"),
     ("learner.lr=-1", "learner.lr"),
     ("actor.top_p=0", "actor.top_p"),
+    ("actor.temperature=2.5", "actor.temperature"),  # vLLM's limit (the default engine)
     ("transport.grpc_port=70000", "transport.grpc_port"),
     ("transport.collective_backend=mpi", "transport.collective_backend"),
     ("transport.shutdown_drain_s=-1", "transport.shutdown_drain_s"),
