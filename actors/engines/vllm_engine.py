@@ -29,14 +29,15 @@ class _DropRecord(logging.Filter):
 
 class VllmEngine(Engine):
     def __init__(self, model_path: str, *, dtype: str = "float32", max_model_len_tokens: int = 512,
-                 seed: int = 0, version: int = 0) -> None:
+                 seed: int = 0, version: int = 0, enforce_eager: bool = True) -> None:
         super().__init__(version)
         from transformers import AutoConfig
         from vllm import LLM
 
         self._stop_ids = stop_token_ids(model_path)
         self._tied = bool(getattr(AutoConfig.from_pretrained(model_path), "tie_word_embeddings", False))
-        # enforce_eager: no torch.compile / CUDA graphs (seconds, not minutes, to start).
+        # enforce_eager: no torch.compile / CUDA graphs (seconds, not minutes, to start; on CPU the
+        # only mode known to work here). On GPU, False trades start-up for faster decoding.
         # skip_tokenizer_init: the engine sees ids only; the actor loop owns the tokenizer.
         # processed_logprobs: log-probs after temperature / top-p, i.e. of what was sampled.
         # vLLM warms up a chat template at start-up even without a tokenizer and logs the
@@ -46,7 +47,7 @@ class VllmEngine(Engine):
         noise.addFilter(drop)
         try:
             self._llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len_tokens,
-                            enforce_eager=True, seed=seed, skip_tokenizer_init=True,
+                            enforce_eager=enforce_eager, seed=seed, skip_tokenizer_init=True,
                             logprobs_mode="processed_logprobs", enable_prefix_caching=True)
         finally:
             noise.removeFilter(drop)
