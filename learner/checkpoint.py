@@ -4,7 +4,7 @@
  <run_dir>/checkpoints/.tmp_step_<N>/      written by all ranks (DCP: one shard file per rank)
      __0_0.distcp …  .metadata            model + optimizer (sharded DTensors), scheduler
      run_state.json                        step, version, coordinator.state_dict() (cursor, leases,
-                                           trained prompts, counters) — rank 0
+                                           trained prompts, counters), replay-queue counters — rank 0
      rng_rank<r>.json                      torch CPU RNG state of each rank (hex)
      hf/                                   config + tokenizer files of the model (for `dapo export`)
  then rank 0 renames .tmp_step_<N> -> step_<N> (atomic on one filesystem) after a barrier.

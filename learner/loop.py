@@ -169,8 +169,8 @@ def publish_initial(services: Rank0Services | None, state_dict: dict[str, torch.
 
 def save_checkpoint(cfg: DapoConfig, trainer: Trainer, services: Rank0Services | None, step: int,
                     model_path: str) -> None:
-    run_state = {"step": step, "version": step,
-                 "coordinator": services.coordinator.state_dict()} if services else None
+    run_state = {"step": step, "version": step, "coordinator": services.coordinator.state_dict(),
+                 "replay": services.replay.buffer.state_dict()} if services else None
     checkpoint.save(cfg.run.run_dir, step, trainer.model, trainer.optimizer, trainer.scheduler, run_state,
                     model_path)
 

@@ -63,7 +63,7 @@ def main(argv: list[str]) -> int:
     run_state = checkpoint.load(resume, trainer.model, trainer.optimizer, trainer.scheduler) if resume else {}
     start_step = int(run_state.get("step", 0))
     stop = loop.StopFlag()
-    services = start_services(cfg, model_path, run_state.get("coordinator"), device) if rank == 0 else None
+    services = start_services(cfg, model_path, run_state, device) if rank == 0 else None
     state_dict = trainer.full_state_dict()  # version start_step, so actors can sync before step 1
     if services is not None:
         loop.publish_initial(services, state_dict, start_step)

@@ -194,6 +194,22 @@ class ReplayBuffer:
                 out[f"staleness/{staleness}"] = float(n)
             return out
 
+    def state_dict(self) -> dict[str, dict]:
+        """The run-long counters, for checkpoints. The held groups are not saved: the coordinator's
+        checkpointed state already turns their leases back into pending prompts."""
+        with self._count_cond:
+            counts = dict(self.counts)
+        with self._cond:
+            hist = {str(k): v for k, v in self.staleness_hist.items()}  # JSON keys are strings
+        return {"counts": counts, "staleness_hist": hist}
+
+    def load_state_dict(self, state: dict[str, dict]) -> None:
+        """Continue a resumed run's counters (``learner.resume``) instead of restarting them at 0."""
+        with self._count_cond:
+            self.counts = {str(k): int(v) for k, v in state["counts"].items()}
+        with self._cond:
+            self.staleness_hist = {int(k): int(v) for k, v in state["staleness_hist"].items()}
+
 
 class ReplayQueue:
     """The replay queue service: a bound PULL socket, a receiver thread and a ReplayBuffer."""

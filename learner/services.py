@@ -25,10 +25,10 @@ class _Source:
         return p.prompt_token_ids, p.data_source, p.ground_truth
 
 
-def start_services(cfg: DapoConfig, model_path: Path, coordinator_state: dict | None,
+def start_services(cfg: DapoConfig, model_path: Path, run_state: dict,
                    device: torch.device = torch.device("cpu")) -> loop.Rank0Services:
-    """Start everything rank 0 serves; ``coordinator_state`` comes from a checkpoint (resume);
-    ``device`` is rank 0's training device (it decides the collective weight path's backend)."""
+    """Start everything rank 0 serves; ``run_state`` comes from a checkpoint (resume; {} when
+    fresh); ``device`` is rank 0's training device (it decides the collective weight path's backend)."""
     from transformers import AutoTokenizer
 
     from dapo.data import build_dataset
@@ -41,9 +41,11 @@ def start_services(cfg: DapoConfig, model_path: Path, coordinator_state: dict | 
     t = cfg.transport
     prompts = build_dataset(cfg, "train", AutoTokenizer.from_pretrained(model_path))
     coordinator = Coordinator.from_config(cfg, _Source(prompts))
-    if coordinator_state is not None:
-        coordinator.load_state_dict(coordinator_state)
+    if "coordinator" in run_state:
+        coordinator.load_state_dict(run_state["coordinator"])
     replay = ReplayQueue(cfg, coordinator)
+    if "replay" in run_state:  # absent on a fresh start
+        replay.buffer.load_state_dict(run_state["replay"])
     publisher = WeightPublisher(
         host=t.host, side_channel_port=t.weight_port, auth_token=t.auth_token, chunk_bytes=t.weight_chunk_bytes,
         timeout_s=cfg.learner.weight_sync_timeout_s, dtype=getattr(torch, cfg.model.dtype),

@@ -243,6 +243,9 @@ def test_kill9_then_resume_same_step_no_prompt_lost_or_trained_twice_then_sigter
     final = json.loads((second.run_dir / "checkpoints" / f"step_{last}" / "run_state.json").read_text())
     coord = final["coordinator"]
     assert final["step"] == last and sorted(coord["trained"]) == sorted(effective)
+    # The replay queue's run-long counters continue from the checkpoint (not from 0): every group
+    # trained in either incarnation up to the last step is in the final staleness histogram once.
+    assert sum(final["replay"]["staleness_hist"].values()) == len(effective)
     assert sorted(ckpt_state["coordinator"]["trained"]) == sorted(effective[:k * 2])
     # Nothing lost: every prompt the cursor handed out is trained or waiting to be re-issued.
     assert coord["epoch"] == 0 and len(set(coord["trained"]) | set(coord["pending"])) == coord["position"]
