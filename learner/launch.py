@@ -209,8 +209,9 @@ def main(argv: list[str] | None = None) -> int:
             for actor in actors:
                 if not actor.alive() and not getattr(actor, "reported", False):
                     actor.reported = True
-                    progress.bar.write(f"dapo run: {actor.name} exited ({actor.proc.returncode}); "
-                                       f"see {actor.log_path}")
+                    rc = actor.proc.returncode
+                    progress.bar.write(f"dapo run: {actor.name} left the run (exit 0)" if rc == 0
+                                       else f"dapo run: {actor.name} exited ({rc}); see {actor.log_path}")
             time.sleep(0.5)  # UI refresh period, not synchronisation
     finally:
         # Actors first (they return their leases), then the learner (final checkpoint).
