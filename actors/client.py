@@ -3,8 +3,8 @@
 Every gRPC call carries the auth token (metadata ``x-dapo-token``) and a deadline; failures
 map onto the three things the actor loop does about them:
 
-- ``LearnerUnavailable`` (UNAVAILABLE, DEADLINE_EXCEEDED): the learner is down or restarting;
-  wait with backoff and reconnect.
+- ``LearnerUnavailable`` (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED): the learner is
+  down, restarting or shedding load; wait with backoff and retry.
 - ``SessionLost`` (NOT_FOUND): this actor id is unknown to the coordinator (declared dead, or a
   new learner incarnation); register again and refetch weights.
 - ``AuthError`` (UNAUTHENTICATED, PERMISSION_DENIED): fatal, the token is wrong; retrying
@@ -75,6 +75,9 @@ def map_rpc_error(method: str, address: str, exc: grpc.RpcError) -> Exception:
     code, details = exc.code(), exc.details()
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
         return LearnerUnavailable(f"{method} to {address}: {code.name} ({details})")
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the server's concurrent-RPC cap: overload, transient
+        return LearnerUnavailable(f"{method} to {address}: {code.name} ({details}); if it persists, the "
+                                  "message may exceed transport.max_message_bytes")
     if code == grpc.StatusCode.NOT_FOUND:
         return SessionLost(f"{method} to {address}: {details}")
     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):

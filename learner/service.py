@@ -37,6 +37,10 @@ MAX_PROMPTS_PER_LEASE = 1024
 MAX_NAME_CHARS = 256
 MAX_LEASE_IDS_PER_RETURN = 4096
 SERVER_THREADS = 8
+MAX_CONCURRENT_RPCS = 1024
+"""Calls beyond this (executing + queued) are shed with RESOURCE_EXHAUSTED, which actors retry.
+An actor has at most two in flight (its loop and its heartbeat thread): room for 512 actors. The
+old cap (8 x 8 = 64) shed calls from 64 load-test actors as soon as the CPU was busy."""
 DENIAL_TO_PB = {"": pb.LEASE_DENIAL_UNSPECIFIED, **{d: pb.LeaseDenial.Value(f"LEASE_DENIAL_{d.upper()}")
                                                     for d in LEASE_DENIALS}}
 
@@ -309,7 +313,7 @@ class CoordinatorServer:
                    ("grpc.so_reuseport", 0)]
         server = grpc.server(futures.ThreadPoolExecutor(SERVER_THREADS, thread_name_prefix="coordinator-rpc"),
                              interceptors=[AuthInterceptor(t.auth_token, self.counters)], options=options,
-                             maximum_concurrent_rpcs=SERVER_THREADS * 8)
+                             maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS)
         pb_grpc.add_CoordinatorServicer_to_server(self.servicer, server)
         try:
             port = server.add_insecure_port(f"{t.host}:{t.grpc_port}")

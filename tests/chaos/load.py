@@ -37,6 +37,8 @@ class LoadReport:
     audit: dict[str, int] = field(default_factory=dict)
     actors_registered: int = 0
     actor_exit_codes: list[int] = field(default_factory=list)
+    actor_errors: list[str] = field(default_factory=list)
+    """The end of the stderr of each actor process that did not exit 0."""
 
     @property
     def rss_growth_second_half_bytes(self) -> int:
@@ -90,10 +92,13 @@ def run_load(*, num_actors: int = 64, num_processes: int = 4, duration_s: float 
         coord.request_shutdown()  # heartbeats tell every actor to leave; leases go back
         for proc in procs:
             try:
-                proc.wait(60)
+                _, err = proc.communicate(timeout=60)
             except subprocess.TimeoutExpired:
                 kill_tree(proc)
+                _, err = proc.communicate()
             report.actor_exit_codes.append(proc.returncode)
+            if proc.returncode:
+                report.actor_errors.append(err[-2000:])
         report.max_depth_groups = int(queue.counters()["max_depth_groups"])
         report.coordinator = coord.counters()
         report.queue = queue.counters()

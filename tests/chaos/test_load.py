@@ -18,7 +18,7 @@ QUEUE_MAX_GROUPS = 12
 @pytest.mark.timeout(180)
 def test_64_actors_bounded_queue_nothing_lost_backpressure_counted() -> None:
     r = run_load(num_actors=64, num_processes=4, duration_s=12.0, queue_max_groups=QUEUE_MAX_GROUPS)
-    assert r.actors_registered == 64 and r.actor_exit_codes == [0, 0, 0, 0]
+    assert r.actors_registered == 64 and r.actor_exit_codes == [0, 0, 0, 0], r.actor_errors
     assert r.steps >= 5, r.steps
     # bounded: the replay buffer never held more than its cap; lease credit kept it there
     assert 0 < r.max_depth_groups <= QUEUE_MAX_GROUPS

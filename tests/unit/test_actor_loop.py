@@ -296,3 +296,23 @@ def test_unreachable_learner_keeps_the_session_and_retries(make_actor):
     assert actor.run() == 0
     assert client.registrations == 1 and fetched == [0]  # same session, no refetch
     assert len(client.named("Lease")) == 2 and actor.metrics.counters["learner_unreachable"] == 1
+
+
+@pytest.mark.parametrize("code,expected", [
+    ("UNAVAILABLE", "LearnerUnavailable"), ("DEADLINE_EXCEEDED", "LearnerUnavailable"),
+    ("RESOURCE_EXHAUSTED", "LearnerUnavailable"),  # the server shedding load: retry, do not crash
+    ("NOT_FOUND", "SessionLost"), ("UNAUTHENTICATED", "AuthError"), ("INTERNAL", "RuntimeError")])
+def test_rpc_errors_map_onto_what_the_loop_does_about_them(code, expected):
+    import grpc
+
+    from actors.client import map_rpc_error
+
+    class Failed(grpc.RpcError):
+        def code(self):
+            return getattr(grpc.StatusCode, code)
+
+        def details(self):
+            return "Concurrent RPC limit exceeded!" if code == "RESOURCE_EXHAUSTED" else "x"
+
+    exc = map_rpc_error("Lease", "127.0.0.1:1", Failed())
+    assert type(exc).__name__ == expected and "Lease to 127.0.0.1:1" in str(exc)
