@@ -14,8 +14,6 @@ The child is ``python -m actors.verifier SCORE_FN`` (``module:function``, defaul
 
 from __future__ import annotations
 
-import ctypes
-
 import importlib
 import logging
 import os
@@ -29,6 +27,8 @@ from dataclasses import dataclass
 
 import msgpack
 
+from dapo.runtime import signal_on_parent_death
+
 log = logging.getLogger(__name__)
 
 FAILED_REWARD = -1.0
@@ -37,9 +37,9 @@ DEFAULT_SCORE_FN = "dapo.rewards:score"
 MAX_IN_FLIGHT_BYTES = 32 << 10
 """Requests written ahead of their replies, in bytes: half a Linux pipe's 64 KiB capacity."""
 START_TIMEOUT_S = 60.0
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-PARENT_PID_ENV = "DAPO_VERIFIER_PARENT_PID"
 """Deadline for the child to import the verifier module (first start pays the imports)."""
+PARENT_PID_ENV = "DAPO_VERIFIER_PARENT_PID"
+"""The actor's pid, for the worker to check that its parent-death signal was not set too late."""
 
 
 @dataclass
@@ -200,11 +200,7 @@ def _die_with_parent() -> None:
     """A worker stuck in a hanging verifier never reads its closed stdin: have the kernel kill it
     when the actor dies (even by SIGKILL), so no worker outlives its actor."""
     parent = int(os.environ.get(PARENT_PID_ENV, os.getppid()))
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:  # not Linux
-        return
-    if os.getppid() != parent:  # the actor died before prctl took effect
+    if signal_on_parent_death(signal.SIGKILL) and os.getppid() != parent:  # the actor died before prctl took effect
         os._exit(1)
 
 

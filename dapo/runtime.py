@@ -1,8 +1,22 @@
-"""Process environment every dapo service runs with (pure: returns values, starts nothing)."""
+"""Process environment every dapo service runs with, and the parent-death signal (starts nothing)."""
 
 from __future__ import annotations
 
+import ctypes
 import os
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def signal_on_parent_death(sig: int) -> bool:
+    """Have the kernel send ``sig`` to this process when its parent dies, even by SIGKILL, so that
+    no child outlives what started it. Call it in the child (a ``preexec_fn``, or first thing in
+    ``main``). False where prctl is missing (not Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+    except OSError:
+        return False
+    return True
 
 
 def service_env() -> dict[str, str]:

@@ -15,7 +15,6 @@ learner (it writes its final checkpoint), then anything left is killed by proces
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import re
@@ -26,7 +25,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from dapo.runtime import apply_service_env, service_env
+from dapo.runtime import apply_service_env, service_env, signal_on_parent_death
 
 HELP = """\
 Start a learner and run.num_actors actors on this machine and train until learner.total_steps
@@ -40,21 +39,13 @@ STOP_GRACE_S = 30.0
 LEARNER_UP_TIMEOUT_S = 300.0
 ADDRESS_LINE = re.compile(r"^learner: coordinator (\S+), replay", re.M)
 EXCEPTION_LINE = re.compile(r"^\[rank\d+\]: [\w.]*(Error|Exception|Stalled)\w*: ")
-PR_SET_PDEATHSIG = 1
-
-
-def term_with_parent() -> None:
-    """Child pre-exec: SIGTERM this child when its parent dies (Linux), so no run outlives it."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:  # not Linux: Ctrl-C handling still cleans up
-        pass
 
 
 def _die_with_parent() -> None:
-    """Child pre-exec: new session (own process group) + SIGTERM when the launcher dies."""
+    """Child pre-exec: new session (own process group) + SIGTERM when the launcher dies (not on
+    Linux: the Ctrl-C handling below still cleans up)."""
     os.setsid()
-    term_with_parent()
+    signal_on_parent_death(signal.SIGTERM)
 
 
 class Child:

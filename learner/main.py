@@ -6,7 +6,7 @@ import os
 import sys
 from datetime import timedelta
 
-from dapo.runtime import apply_service_env
+from dapo.runtime import apply_service_env, signal_on_parent_death
 
 apply_service_env()
 
@@ -21,15 +21,10 @@ from learner.trainer import Trainer, TrainerSettings  # noqa: E402
 
 def die_with_parent() -> None:
     """torchrun starts ranks in sessions of their own: after a kill -9 of torchrun they would live on
-    holding the learner's ports, so a resumed learner could not bind. Linux: PR_SET_PDEATHSIG."""
-    import ctypes
+    holding the learner's ports, so a resumed learner could not bind."""
     import signal
 
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except OSError:
-        return
-    if os.getppid() == 1:  # the parent died before prctl took effect
+    if signal_on_parent_death(signal.SIGKILL) and os.getppid() == 1:  # the parent died before prctl took effect
         os._exit(1)
 
 

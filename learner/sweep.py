@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -22,8 +23,7 @@ from pathlib import Path
 from statistics import mean
 
 from dapo.plots import plot_sweep, read_metrics, series, time_to_target
-from dapo.runtime import service_env
-from learner.launch import term_with_parent
+from dapo.runtime import service_env, signal_on_parent_death
 
 HELP = __doc__
 
@@ -34,7 +34,8 @@ def run_point(label: str, overrides: list[str]) -> int:
     t0 = time.monotonic()
     # Same process group (Ctrl-C reaches the run, which stops cleanly) plus a parent-death
     # signal: killing the sweep stops its current run too.
-    rc = subprocess.call(argv, env={**os.environ, **service_env()}, preexec_fn=term_with_parent)
+    rc = subprocess.call(argv, env={**os.environ, **service_env()},
+                         preexec_fn=lambda: signal_on_parent_death(signal.SIGTERM))
     print(f"dapo sweep: {label} finished in {time.monotonic() - t0:.0f} s (exit {rc})", file=sys.stderr)
     return rc
 
