@@ -4,6 +4,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -19,3 +21,16 @@ def pytest_sessionstart(session):
     from dapo.tiny import ensure_tiny_model
 
     ensure_tiny_model(ROOT / ".cache" / "dapo", progress=False)
+
+
+@pytest.fixture(scope="session")
+def random_tiny_model(tmp_path_factory) -> Path:
+    """The embedded tiny architecture and tokenizer with random weights (no warm start: fast);
+    enough to start a learner. Read-only for the tests that share it."""
+    from dapo.tiny import build_model, build_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny")
+    tok = build_tokenizer()
+    build_model(tok, seed=0).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out

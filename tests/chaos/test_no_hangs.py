@@ -26,7 +26,6 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Iterator
 
 import psutil
@@ -205,18 +204,6 @@ def test_collective_receiver_raises_within_its_timeout_when_the_publisher_is_kil
         assert re.search(r"timeout|timed out|closed|reset|refused|connect|failed|Broken pipe", text, re.I), text
     finally:
         kill_tree(peer)
-
-
-@pytest.fixture(scope="module")
-def random_tiny_model(tmp_path_factory) -> Path:
-    """The tiny architecture with random weights: enough to start a learner, no warm start."""
-    from dapo.tiny import build_model, build_tokenizer
-
-    out = tmp_path_factory.mktemp("tiny")
-    tok = build_tokenizer()
-    build_model(tok, seed=0).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
 
 
 @pytest.mark.timeout(240)

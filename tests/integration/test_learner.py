@@ -63,18 +63,6 @@ def test_peer_dying_mid_collective_sync_gives_a_clear_error_within_the_timeout()
 # ---------------------------------------------------------------- a real 2-rank learner
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    """The embedded tiny architecture and tokenizer, randomly initialised (no warm start: fast)."""
-    from dapo.tiny import build_model, build_tokenizer
-
-    out = tmp_path_factory.mktemp("tiny")
-    tok = build_tokenizer()
-    build_model(tok, seed=0).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
 class Learner:
     """``python -m learner`` (torchrun, 2 ranks) in its own process group, on free loopback ports."""
 
@@ -133,11 +121,11 @@ def _hf_logprobs(model, seqs: list[list[int]]) -> list[list[float]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_two_rank_learner_trains_publishes_on_both_paths_and_exports(tmp_path, tiny_model_dir):
+def test_two_rank_learner_trains_publishes_on_both_paths_and_exports(tmp_path, random_tiny_model):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    learner = Learner(tmp_path, tiny_model_dir, "transport.weight_path=collective", "learner.total_steps=4",
+    learner = Learner(tmp_path, random_tiny_model, "transport.weight_path=collective", "learner.total_steps=4",
                       "learner.checkpoint_every_steps=2", "learner.eval_every_steps=2",
                       "data.builtin_num_eval_prompts=8")
     final = tmp_path / "final.safetensors"
@@ -175,7 +163,7 @@ def test_two_rank_learner_trains_publishes_on_both_paths_and_exports(tmp_path, t
     assert "model.embed_tokens.weight" in published
     for k, v in published.items():
         assert torch.equal(sd[k], v), k
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(random_tiny_model, dtype=torch.float32)
     assert not torch.equal(base.state_dict()["model.embed_tokens.weight"], published["model.embed_tokens.weight"])
     seqs = [[1, 5, 9, 20, 33, 7, 2, 40], [3, 4, 5, 6, 90, 11]]
     ref = _hf_logprobs(exported, seqs)
@@ -192,9 +180,9 @@ def test_two_rank_learner_trains_publishes_on_both_paths_and_exports(tmp_path, t
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_kill9_then_resume_same_step_no_prompt_lost_or_trained_twice_then_sigterm(tmp_path, tiny_model_dir):
+def test_kill9_then_resume_same_step_no_prompt_lost_or_trained_twice_then_sigterm(tmp_path, random_tiny_model):
     common = ("learner.checkpoint_every_steps=2", "learner.eval_every_steps=0")
-    first = Learner(tmp_path, tiny_model_dir, "learner.total_steps=50", *common, name="first")
+    first = Learner(tmp_path, random_tiny_model, "learner.total_steps=50", *common, name="first")
     actor = first.actor(tmp_path, "a1")
     try:
         deadline = time.monotonic() + 200
@@ -217,7 +205,7 @@ def test_kill9_then_resume_same_step_no_prompt_lost_or_trained_twice_then_sigter
     before.rename(tmp_path / "run1_trained.jsonl")
 
     # Resume, run until stopped, then a graceful stop: SIGTERM -> final checkpoint, exit 0.
-    second = Learner(tmp_path, tiny_model_dir, "learner.resume=latest", "learner.total_steps=0", *common,
+    second = Learner(tmp_path, random_tiny_model, "learner.resume=latest", "learner.total_steps=0", *common,
                      name="second")
     actor = second.actor(tmp_path, "a2")
     audit2 = second.run_dir / "trained_prompts.jsonl"
