@@ -200,9 +200,9 @@ class CollectiveBroadcaster:
 
     Store keys: ``backend``, ``join_seq`` (counter), ``join/<n>`` = actor name, ``join/<n>/sync`` =
     first sync it is in, ``sync/<s>`` = JSON {version, gen, members (``<name>#<n>``), backend},
-    ``manifest/<version>``, ``ack/<s>/<name>#<n>`` = actor timings, ``left/<n>`` = member n stopped (dropped at the next sync).
-    ``backend`` is ``gloo`` (CPU buffers) or ``nccl`` (the buffer is staged once per sync on
-    ``device``, a CUDA device; protos/collective.py).
+    ``manifest/<version>``, ``ack/<s>/<name>#<n>`` = actor timings, ``left/<n>`` = member n
+    stopped (dropped at the next sync). ``backend`` is ``gloo`` (CPU buffers) or ``nccl`` (the
+    buffer is staged once per sync on ``device``, a CUDA device; protos/collective.py).
     """
 
     host: str
