@@ -134,6 +134,23 @@ class AlgorithmConfig:
         _check(self.num_prompts_per_step % self.num_minibatches_per_step == 0,
                "algorithm.num_minibatches_per_step", self.num_minibatches_per_step,
                f"a divisor of algorithm.num_prompts_per_step={self.num_prompts_per_step}")
+        if self.num_samples_per_prompt < 2:
+            # The advantage is a sample's reward minus its group's mean: 0 in a group of one.
+            why = ("every group of one sample has accuracy all 0 or all 1 and would be dropped"
+                   if self.dynamic_sampling else
+                   "a group of one sample has advantage 0 (its reward minus its own mean), so no token "
+                   "carries a gradient and training changes nothing")
+            raise ConfigError(f"config key `algorithm.num_samples_per_prompt` = {self.num_samples_per_prompt} is "
+                              f"invalid: {why}; set algorithm.num_samples_per_prompt >= 2 (the paper: 16).")
+
+
+TOP_P_TRAINING_ERROR = (
+    "training samples with top_p = 1 only. With top_p < 1 the engines return log-probs renormalised "
+    "over the nucleus (mu), while the learner's pi_theta and pi_prox are the full tempered softmax, so "
+    "the importance weight pi_prox / mu (algorithm.prox_logp=recompute) or the ratio pi_theta / mu "
+    "(algorithm.prox_logp=bypass) sits below 1 on every token and biases the update. Set "
+    "actor.top_p=1.0 (the DAPO paper trains so); evaluate with top_p < 1 through "
+    "`dapo eval --top-p 0.7`.")
 
 
 @dataclass
@@ -149,7 +166,8 @@ class ActorConfig:
     temperature: float = 1.0
     """Sampling temperature; the returned log-probs are of this tempered distribution."""
     top_p: float = 1.0
-    """Nucleus sampling threshold (1.0 = off)."""
+    """Nucleus sampling threshold of training rollouts: only 1.0 (off) is accepted, see
+    ``TOP_P_TRAINING_ERROR``. Evaluation samples with its own setting (``dapo eval --top-p``)."""
     prompts_per_lease: int = 4
     """Prompts asked for in one lease call (one generation batch)."""
     update_mode: str = "between_batches"
@@ -179,6 +197,8 @@ class ActorConfig:
         _check(self.engine != "vllm" or self.temperature <= 2.0, "actor.temperature", self.temperature,
                "<= 2 with actor.engine=vllm (vLLM's limit; actor.engine=torch has none)")
         _check(0 < self.top_p <= 1, "actor.top_p", self.top_p, "0 < top_p <= 1")
+        if self.top_p < 1:
+            raise ConfigError(f"config key `actor.top_p` = {self.top_p!r} is invalid: {TOP_P_TRAINING_ERROR}")
         _check(self.prompts_per_lease >= 1, "actor.prompts_per_lease", self.prompts_per_lease, ">= 1")
         _check(self.update_mode in ("between_batches", "inflight"), "actor.update_mode",
                self.update_mode, "between_batches or inflight")
@@ -353,10 +373,6 @@ class DapoConfig:
                "model.max_model_len_tokens", self.model.max_model_len_tokens,
                f">= data.max_prompt_tokens + actor.max_response_tokens "
                f"= {self.data.max_prompt_tokens + self.actor.max_response_tokens}")
-        if self.algorithm.dynamic_sampling and self.algorithm.num_samples_per_prompt < 2:
-            raise ConfigError("config key `algorithm.num_samples_per_prompt` = 1 with dynamic sampling on: "
-                              "every group of one sample has accuracy all 0 or all 1 and would be dropped; "
-                              "set algorithm.num_samples_per_prompt >= 2 or algorithm.dynamic_sampling=false.")
 
 
 CONF_DIR = Path(__file__).parent / "conf"

@@ -94,9 +94,46 @@ def test_errors_say_what_was_expected():
 
 
 def test_dynamic_sampling_needs_groups_of_two():
-    with pytest.raises(ConfigError, match="algorithm.num_samples_per_prompt"):
+    with pytest.raises(ConfigError, match="algorithm.num_samples_per_prompt") as err:
         load_config(["algorithm.num_samples_per_prompt=1"])
-    assert load_config(["algorithm=grpo", "algorithm.num_samples_per_prompt=1"]).algorithm.dynamic_sampling is False
+    assert "would be dropped" in str(err.value) and ">= 2" in str(err.value)
+
+
+@pytest.mark.parametrize("preset", ["grpo", "dr_grpo", "grpo_token_loss"])
+def test_groups_of_one_are_refused_without_dynamic_sampling_too(preset):
+    """G = 1: every advantage is 0 (reward minus the group's own mean), whatever the normalisation,
+    so a run would train nothing; it is a start-up error, not a silent no-op."""
+    assert load_config([f"algorithm={preset}"]).algorithm.dynamic_sampling is False
+    with pytest.raises(ConfigError) as err:
+        load_config([f"algorithm={preset}", "algorithm.num_samples_per_prompt=1"])
+    msg = str(err.value)
+    assert "`algorithm.num_samples_per_prompt` = 1" in msg and "advantage 0" in msg and ">= 2" in msg
+    with pytest.raises(ConfigError, match="algorithm.num_samples_per_prompt"):
+        AlgorithmConfig(dynamic_sampling=False, num_samples_per_prompt=1)
+    assert load_config([f"algorithm={preset}", "algorithm.num_samples_per_prompt=2"]).algorithm.num_samples_per_prompt == 2
+
+
+@pytest.mark.parametrize("top_p", ["0.7", "0.999"])
+@pytest.mark.parametrize("prox_logp", ["recompute", "bypass"])
+def test_training_refuses_top_p_below_one(top_p, prox_logp):
+    """The engines' log-probs with top_p < 1 are of the renormalised nucleus, the learner's of the
+    full softmax: the sampler log-probs enter the loss in both modes, so the config refuses it."""
+    with pytest.raises(ConfigError) as err:
+        load_config([f"actor.top_p={top_p}", f"algorithm.prox_logp={prox_logp}"])
+    msg = str(err.value)
+    assert f"`actor.top_p` = {float(top_p)!r}" in msg
+    assert "nucleus" in msg and "actor.top_p=1.0" in msg and "dapo eval --top-p" in msg
+    assert load_config([f"algorithm.prox_logp={prox_logp}", "actor.top_p=1.0"]).actor.top_p == 1.0
+
+
+@pytest.mark.parametrize("preset", sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml")))
+def test_gpu_experiment_presets_validate(preset):
+    """The GPU presets compose into a valid config (they name no model: model.path is required)."""
+    with pytest.raises(ConfigError, match="model.path"):
+        load_config([f"experiment={preset}"])
+    cfg = load_config([f"experiment={preset}", "model.path=/models/x"])
+    assert cfg.actor.top_p == 1.0 and cfg.algorithm.num_samples_per_prompt >= 2
+    assert cfg.learner.device == "cuda"
 
 
 @pytest.mark.parametrize("overrides", [
