@@ -222,21 +222,12 @@ def check_data_sources(prompts: list[Prompt], data: str, template: str) -> None:
     from dapo import rewards
 
     counts = Counter(p.data_source for p in prompts)
-    unknown = []
-    for source, count in sorted(counts.items()):
-        try:
-            verifier = rewards.verifier_for(source)
-        except ValueError:
-            unknown.append(f"{source!r} ({count} rows)")
-            continue
-        if template == "dapo" and verifier is rewards.verify_boxed:
+    rewards.check_data_sources(counts, data)
+    for source in sorted(counts):
+        if template == "dapo" and rewards.verifier_for(source) is rewards.verify_boxed:
             log.warning("--prompt-template dapo asks for a final 'Answer: ...' line, but data_source %r is "
                         "scored by the \\boxed{} verifier: those answers will score 0. Use --prompt-template "
                         "chat to keep the rows' own instruction.", source)
-    if unknown:
-        raise ValueError(f"{data}: no verifier for data_source {', '.join(unknown)}; known sources are "
-                         f"{rewards.known_sources()}. Fix the data_source column of the dataset, or add a "
-                         "verifier in dapo/rewards.py.")
 
 
 def model_settings(model_path: Path, requested_dtype: str) -> tuple[str, int]:
@@ -421,7 +412,7 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
     apply_service_env()  # before torch / vllm are imported
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    from actors.verifier import VerifierError
+    from actors.verifier import UnscorableDataSource, VerifierError
 
     try:
         inputs = prepare(args)
@@ -430,7 +421,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     try:
         report = run_eval(args, inputs)
-    except VerifierError as exc:  # actor.reward_fn does not import
+    except (VerifierError, UnscorableDataSource) as exc:  # actor.reward_fn does not import / cannot score DATA
         print(f"dapo eval: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     print(format_table(report))

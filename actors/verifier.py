@@ -4,12 +4,17 @@ A verifier is user-facing code run on model output (regexes, parsers, sympy): it
 raise on a pathological response. It runs in a child process so that a hang costs at most
 ``timeout_s`` per response: the child is killed, the response scores ``FAILED_REWARD`` with a
 counted error, and a fresh child starts for the next call. An exception in the verifier also
-scores ``FAILED_REWARD`` (counted); the actor never stalls or dies because of its verifier.
+scores ``FAILED_REWARD`` (counted); the actor never stalls or dies because of a response.
+
+A data_source without a verifier (``dapo.rewards.UnknownDataSource``, raised by the scoring
+function) is different: no response of that prompt can ever be scored, so it is not a -1 but
+an error raised to the caller (the actor stops with it; see ``score_many``).
 
 The parent and the child speak msgpack over the child's stdin/stdout (no pickle):
-request ``[data_source, response, ground_truth]``, reply ``[ok, reward, acc, pred_or_error]``.
-The child is ``python -m actors.verifier SCORE_FN`` (``module:function``, default
-``dapo.rewards:score``); it first replies ``[true, 0, false, "ready"]`` once the module imported.
+request ``[data_source, response, ground_truth]``, reply ``[status, reward, acc, pred_or_error]``
+with status ``ok``, ``error`` (the verifier raised) or ``unknown_source``. The child is
+``python -m actors.verifier SCORE_FN`` (``module:function``, default ``dapo.rewards:score``); it
+first replies ``["ok", 0, false, "ready"]`` once the module imported.
 """
 
 from __future__ import annotations
@@ -27,13 +32,14 @@ from dataclasses import dataclass
 
 import msgpack
 
+from dapo.rewards import SCORE_FN, UnknownDataSource
 from dapo.runtime import signal_on_parent_death
 
 log = logging.getLogger(__name__)
 
 FAILED_REWARD = -1.0
 """Reward of a response whose verifier raised or timed out."""
-DEFAULT_SCORE_FN = "dapo.rewards:score"
+DEFAULT_SCORE_FN = SCORE_FN
 MAX_IN_FLIGHT_BYTES = 32 << 10
 """Requests written ahead of their replies, in bytes: half a Linux pipe's 64 KiB capacity."""
 START_TIMEOUT_S = 60.0
@@ -56,6 +62,11 @@ class Verdict:
 
 class VerifierError(RuntimeError):
     """The worker could not be started at all (bad SCORE_FN, broken environment)."""
+
+
+class UnscorableDataSource(UnknownDataSource):
+    """A scored item's data_source has no verifier in this actor's scoring function: a config
+    error of the run (the learner checks its datasets at start-up), raised, never scored."""
 
 
 class Verifier:
@@ -81,7 +92,7 @@ class Verifier:
                                       env={**os.environ, PARENT_PID_ENV: str(os.getpid())})
         self._unpacker = msgpack.Unpacker(raw=False)
         reply = self._read(START_TIMEOUT_S)
-        if reply is None or reply[3] != "ready":
+        if reply is None or reply[0] != "ok" or reply[3] != "ready":
             self._kill()
             raise VerifierError(f"verifier worker for {self.score_fn!r} did not start within "
                                 f"{START_TIMEOUT_S:.0f}s (reply {reply!r}); check that the module "
@@ -120,7 +131,9 @@ class Verifier:
 
     def score_many(self, items: list[tuple[str, str, str]]) -> list[Verdict]:
         """Verdicts in order. Requests are pipelined (one round trip per call costs ~ms each
-        under load); each reply still has its own ``timeout_s`` deadline."""
+        under load); each reply still has its own ``timeout_s`` deadline. Raises
+        ``UnscorableDataSource`` (a ValueError) when the scoring function has no verifier for an
+        item's data_source; the worker is replaced, the other items are not scored."""
         verdicts: list[Verdict] = []
         while len(verdicts) < len(items):
             verdicts += self._score_until_failure(items[len(verdicts):])
@@ -159,8 +172,14 @@ class Verifier:
                 self._kill()
                 return out + [Verdict(FAILED_REWARD, False, "", "timeout")]
             in_flight_bytes -= in_flight.popleft()
-            ok, reward, acc, pred = reply
-            if not ok:
+            status, reward, acc, pred = reply
+            if status == "unknown_source":
+                self._kill()  # replies to the requests still in flight would come back out of turn
+                raise UnscorableDataSource(
+                    f"actor.reward_fn={self.score_fn} cannot score data_source {data_source!r}: {pred} The "
+                    "prompts' data and the scoring function disagree: give the learner and its actors the "
+                    "same code and the same actor.reward_fn.")
+            if status != "ok":
                 self.num_errors += 1
                 log.warning("verifier %s raised on a %s response: %s; scored %.0f",
                             self.score_fn, data_source, pred, FAILED_REWARD)
@@ -180,7 +199,7 @@ def _worker_main(score_fn: str) -> None:
     # dapo.rewards.score catches its verifiers' exceptions itself (scores -1, counts them in
     # this process); read its counter so that those errors are counted by the actor too.
     error_count = getattr(mod, "verifier_error_count", lambda: 0)
-    out.write(msgpack.packb([True, 0, False, "ready"]))
+    out.write(msgpack.packb(["ok", 0, False, "ready"]))
     unpacker = msgpack.Unpacker(raw=False)
     while data := os.read(sys.stdin.fileno(), 1 << 16):
         unpacker.feed(data)
@@ -188,11 +207,13 @@ def _worker_main(score_fn: str) -> None:
             try:
                 errors_before = error_count()
                 reward, acc, pred = fn(data_source, response, ground_truth)
-                reply = [True, float(reward), bool(acc), "" if pred is None else str(pred)]
+                reply = ["ok", float(reward), bool(acc), "" if pred is None else str(pred)]
                 if error_count() > errors_before:
-                    reply = [False, FAILED_REWARD, False, f"{score_fn} caught a verifier exception"]
+                    reply = ["error", FAILED_REWARD, False, f"{score_fn} caught a verifier exception"]
+            except UnknownDataSource as exc:  # a config error, not a bad response: the parent raises it
+                reply = ["unknown_source", FAILED_REWARD, False, str(exc)[:4000]]
             except Exception as exc:  # count-and-score at the service boundary
-                reply = [False, FAILED_REWARD, False, f"{type(exc).__name__}: {exc}"[:500]]
+                reply = ["error", FAILED_REWARD, False, f"{type(exc).__name__}: {exc}"[:500]]
             out.write(msgpack.packb(reply))
 
 

@@ -38,7 +38,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from dapo import task
+from dapo import rewards, task
 
 log = logging.getLogger(__name__)
 
@@ -216,11 +216,23 @@ def rows_for(path: str, split: str, cfg: Any) -> list[dict[str, Any]]:
 
 
 def build_dataset(cfg: Any, split: str, tokenizer: Any) -> PromptDataset:
-    """The train (``data.train_path``) or eval (``data.eval_path``) dataset of a ``DapoConfig``."""
+    """The train (``data.train_path``) or eval (``data.eval_path``) dataset of a ``DapoConfig``.
+
+    Every data_source must have a verifier (``rewards.UnknownDataSource`` otherwise, before any
+    rendering): an unscorable row would otherwise score -1 in the actors, a run that looks like
+    data too hard. Training rows scored by a custom ``actor.reward_fn`` are that function's to
+    check; the learner's held-out evaluation always scores with ``dapo.rewards``.
+    """
     if split not in ("train", "eval"):
         raise ValueError(f"split {split!r} is unknown: expected train or eval.")
     path = cfg.data.train_path if split == "train" else cfg.data.eval_path
-    return PromptDataset(rows_for(path, split, cfg), tokenizer, template=cfg.data.prompt_template,
+    rows = rows_for(path, split, cfg)
+    if split == "eval" or cfg.actor.reward_fn == rewards.SCORE_FN:
+        rewards.check_data_sources(Counter(r["data_source"] for r in rows), f"data.{split}_path={path}",
+                                   ", or set actor.reward_fn to a function that scores it" if split == "train" else "")
+    else:
+        log.info("data.train_path: data sources not checked; actor.reward_fn=%s scores them", cfg.actor.reward_fn)
+    return PromptDataset(rows, tokenizer, template=cfg.data.prompt_template,
                          dedup=cfg.data.dedup_by_prompt, max_prompt_tokens=cfg.data.max_prompt_tokens)
 
 

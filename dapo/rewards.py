@@ -28,13 +28,16 @@ A verifier that raises yields ``(-1.0, False, "[error]")`` and increments a modu
 invalid unicode). Work per call is bounded: only a fixed tail of the response is read and every
 regex is linear on it. A hard wall-clock timeout needs a separate process: that wrapper is the
 actor's (``actors/verifier.py``), not this module's. An unknown ``data_source`` is a
-configuration error and raises ``ValueError`` naming the known sources.
+configuration error, never a score: it raises ``UnknownDataSource`` (a ``ValueError``) naming the
+known sources. The learner checks every data_source of its datasets at start-up
+(``check_data_sources``, called by ``dapo.data.build_dataset``); the actor's verifier worker
+stops the actor on one rather than scoring it -1 (that would read as "data too hard").
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from typing import Callable, Mapping
 
 from dapo import task
 from dapo.math_normalize import (INVALID, as_number, extract_dapo_answer, last_boxed,
@@ -51,7 +54,15 @@ DAPO_PREFIXES = ("math_dapo",)
 BOXED_SOURCES = ("lighteval/MATH", "HuggingFaceH4/MATH-500", "DigitalLearningGmbH/MATH-lighteval")
 BOXED_PREFIXES = ("aime",)
 
+SCORE_FN = "dapo.rewards:score"
+"""``actor.reward_fn`` of this module's ``score`` (the default)."""
+
 Verifier = Callable[[str, str], tuple[bool, str]]
+
+
+class UnknownDataSource(ValueError):
+    """No verifier for a data_source: a configuration error (dataset or reward function), never a
+    -1 score. A custom ``actor.reward_fn`` raises it too for a source it cannot score."""
 
 _error_lock = threading.Lock()
 _error_count = 0
@@ -99,9 +110,9 @@ def known_sources() -> str:
 
 
 def verifier_for(data_source: str) -> Verifier:
-    """The verifier for ``data_source``; ValueError naming the known sources when there is none."""
+    """The verifier for ``data_source``; UnknownDataSource naming the known sources when there is none."""
     if not isinstance(data_source, str):
-        raise ValueError(f"data_source must be a string, got {data_source!r}: known sources are "
+        raise UnknownDataSource(f"data_source must be a string, got {data_source!r}: known sources are "
                          f"{known_sources()}.")
     if data_source == task.DATA_SOURCE:
         return verify_builtin
@@ -109,15 +120,31 @@ def verifier_for(data_source: str) -> Verifier:
         return verify_dapo_math
     if data_source in BOXED_SOURCES or data_source.startswith(BOXED_PREFIXES):
         return verify_boxed
-    raise ValueError(f"no verifier for data_source {data_source!r}: known sources are "
+    raise UnknownDataSource(f"no verifier for data_source {data_source!r}: known sources are "
                      f"{known_sources()}. Fix the dataset's data_source column or add a verifier "
                      f"in dapo/rewards.py.")
+
+
+def check_data_sources(counts: Mapping[str, int], where: str, other_fix: str = "") -> None:
+    """Raise UnknownDataSource when any of the data sources (``{data_source: rows}``) of ``where``
+    (a dataset, e.g. ``data.train_path=...``) has no verifier; the message lists every unknown
+    one with its row count, the known sources and the fixes (``other_fix``: one more)."""
+    unknown = []
+    for source, count in sorted(counts.items(), key=lambda item: str(item[0])):
+        try:
+            verifier_for(source)
+        except UnknownDataSource:
+            unknown.append(f"{source!r} ({count} rows)")
+    if unknown:
+        raise UnknownDataSource(f"{where}: no verifier for data_source {', '.join(unknown)}; known sources are "
+                                f"{known_sources()}. Fix the data_source column of the dataset, or add a "
+                                f"verifier in dapo/rewards.py{other_fix}.")
 
 
 def score(data_source: str, response: str | bytes, ground_truth: str) -> tuple[float, bool, str]:
     """(reward, acc, pred) of one response: +1/-1, whether it is correct, the normalised
     prediction. Never raises for a bad response (bytes are decoded with replacement); raises
-    ValueError only for an unknown ``data_source``."""
+    UnknownDataSource only for an unknown ``data_source``."""
     global _error_count
     verifier = verifier_for(data_source)
     try:

@@ -110,7 +110,8 @@ def test_groups_of_one_are_refused_without_dynamic_sampling_too(preset):
     assert "`algorithm.num_samples_per_prompt` = 1" in msg and "advantage 0" in msg and ">= 2" in msg
     with pytest.raises(ConfigError, match="algorithm.num_samples_per_prompt"):
         AlgorithmConfig(dynamic_sampling=False, num_samples_per_prompt=1)
-    assert load_config([f"algorithm={preset}", "algorithm.num_samples_per_prompt=2"]).algorithm.num_samples_per_prompt == 2
+    two = load_config([f"algorithm={preset}", "algorithm.num_samples_per_prompt=2"])
+    assert two.algorithm.num_samples_per_prompt == 2
 
 
 @pytest.mark.parametrize("top_p", ["0.7", "0.999"])

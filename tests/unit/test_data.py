@@ -149,6 +149,46 @@ def test_build_dataset_from_config(tok):
     assert len(train[0].prompt_token_ids) == 15  # ChatML around "abc+def": digits are single tokens
 
 
+def _rows_file(path: Path, sources: list[str]) -> Path:
+    rows = [{"data_source": src, "prompt": [{"role": "user", "content": f"{i}+1"}],
+             "reward_model": {"ground_truth": str(i + 1)}} for i, src in enumerate(sources)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize("split", ["train", "eval"])
+def test_build_dataset_refuses_data_sources_without_a_verifier(tmp_path, tok, split, monkeypatch):
+    """An unscorable row would score -1 in every actor (a run that looks like data too hard): the
+    learner's start-up fails instead, naming the source(s), the known ones and the fixes, before
+    any prompt is rendered."""
+    path = _rows_file(tmp_path / "rows.jsonl", ["aime24", "gsm8k", "gsm8k", "my_bench", task.DATA_SOURCE])
+    cfg = load_config([f"data.{split}_path={path}"])
+    rendered = []
+    monkeypatch.setattr(data, "render_prompt", lambda *a: rendered.append(a) or "x")
+    with pytest.raises(ValueError) as err:
+        data.build_dataset(cfg, split, tok)
+    msg = str(err.value)
+    assert msg.startswith(f"data.{split}_path={path}: no verifier for data_source 'gsm8k' (2 rows), "
+                          "'my_bench' (1 rows); known sources are ")
+    assert "math_dapo" in msg and "aime" in msg and "data_source column" in msg
+    assert ("actor.reward_fn" in msg) == (split == "train")
+    assert rendered == []
+    monkeypatch.undo()
+    good = _rows_file(tmp_path / "good.jsonl", ["aime24", "math_dapo", task.DATA_SOURCE])
+    ds = data.build_dataset(load_config([f"data.{split}_path={good}"]), split, tok)
+    assert [ds[i].data_source for i in range(len(ds))] == ["aime24", "math_dapo", task.DATA_SOURCE]
+
+
+def test_custom_reward_fn_owns_its_training_sources_but_eval_is_checked(tmp_path, tok):
+    """A custom actor.reward_fn may score sources dapo.rewards does not know; the learner's own
+    held-out evaluation scores with dapo.rewards, so eval data are checked whatever reward_fn says."""
+    path = _rows_file(tmp_path / "rows.jsonl", ["my_bench", "my_bench"])
+    cfg = load_config([f"data.train_path={path}", f"data.eval_path={path}", "actor.reward_fn=my_rewards:score"])
+    assert [p.data_source for p in data.build_dataset(cfg, "train", tok)] == ["my_bench", "my_bench"]
+    with pytest.raises(ValueError, match="data.eval_path=.*'my_bench' \\(2 rows\\)"):
+        data.build_dataset(cfg, "eval", tok)
+
+
 def test_inspect_prints_rendering_and_summary(tmp_path, tok, capsys):
     from transformers import Qwen2Config
 

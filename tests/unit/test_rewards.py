@@ -110,10 +110,23 @@ def test_builtin_task_verifier():
 
 
 def test_unknown_data_source_names_the_known_ones():
-    with pytest.raises(ValueError, match="no verifier for data_source 'gsm8k'.*math_dapo.*aime.*dapo_builtin"):
+    with pytest.raises(rewards.UnknownDataSource,
+                       match="no verifier for data_source 'gsm8k'.*math_dapo.*aime.*dapo_builtin"):
         rewards.score("gsm8k", "Answer: 1", "1")
-    with pytest.raises(ValueError, match="data_source must be a string"):
+    with pytest.raises(rewards.UnknownDataSource, match="data_source must be a string"):
         rewards.score(None, "Answer: 1", "1")  # type: ignore[arg-type]
+    assert issubclass(rewards.UnknownDataSource, ValueError)
+
+
+def test_check_data_sources_lists_every_unknown_source_with_its_rows():
+    rewards.check_data_sources({DATA_SOURCE: 5, "aime24": 30, "math_dapo": 2}, "x.jsonl")  # all known
+    with pytest.raises(rewards.UnknownDataSource) as err:
+        rewards.check_data_sources({"gsm8k": 3, DATA_SOURCE: 5, "my_bench": 1}, "data.train_path=x.jsonl",
+                                   ", or use another reward_fn")
+    msg = str(err.value)
+    assert msg.startswith("data.train_path=x.jsonl: no verifier for data_source 'gsm8k' (3 rows), 'my_bench' (1 rows);")
+    assert rewards.known_sources() in msg and DATA_SOURCE not in msg.split(";")[0]
+    assert msg.endswith("add a verifier in dapo/rewards.py, or use another reward_fn.")
 
 
 def test_verifier_error_is_scored_and_counted():

@@ -1,5 +1,6 @@
 """The verifier worker: right scores, and a verifier that hangs, raises or dies costs one
-FAILED_REWARD per response and a counted error, never a stalled or crashed actor."""
+FAILED_REWARD per response and a counted error, never a stalled or crashed actor; a data_source
+without a verifier is an error raised to the actor, never a score."""
 
 from __future__ import annotations
 
@@ -8,12 +9,17 @@ import textwrap
 
 import pytest
 
-from actors.verifier import FAILED_REWARD, Verifier, VerifierError
+from actors.verifier import FAILED_REWARD, UnscorableDataSource, Verifier, VerifierError
 
 FAKE = textwrap.dedent('''
     import os, time
+    from dapo.rewards import UnknownDataSource
 
     def score(data_source, response, ground_truth):
+        if data_source == "unknown":
+            raise UnknownDataSource("no verifier for data_source 'unknown' here.")
+        if response == "value":
+            raise ValueError("cannot parse")
         if response == "hang":
             time.sleep(3600)
         if response == "raise":
@@ -106,15 +112,78 @@ def test_timeout_must_be_positive():
 
 @pytest.mark.timeout(90)
 def test_default_verifier_is_dapo_rewards():
-    pytest.importorskip("dapo.rewards")
-    from dapo.rewards import score
-
+    """The default worker scores with dapo.rewards: +1 for the right answer, -1 for a wrong one or
+    none (text as the actor decodes it: special tokens skipped)."""
     v = Verifier(timeout_s=10.0)
     try:
-        args = ("dapo_builtin", "4+8+0=12. Answer: 832<|im_end|>", "832")
-        got = v.score(*args)
-        reward, acc, pred = score(*args)
-        assert (got.reward, got.acc, got.pred, got.error) == (reward, acc, str(pred), "")
+        work = "4+8+0=12, 7+5+1=13, 3+4+1=8. Answer: "
+        got = v.score_many([("dapo_builtin", work + "832", "832"), ("dapo_builtin", work + "833", "832"),
+                            ("dapo_builtin", "4+8+0=12, 7+5", "832"), ("aime24", "so \\boxed{042}", "42"),
+                            ("math_dapo", "x\nAnswer: 7", "8")])
+        assert [(g.reward, g.acc, g.pred, g.error) for g in got] == [
+            (1.0, True, "832", ""), (-1.0, False, "833", ""), (-1.0, False, "[INVALID]", ""),
+            (1.0, True, "042", ""), (-1.0, False, "7", "")]
+        assert v.num_errors == 0
+    finally:
+        v.close()
+
+
+@pytest.mark.timeout(90)
+def test_unknown_data_source_is_raised_not_scored():
+    """dapo.rewards has no verifier for the source: the batch raises (a ValueError, which
+    actors/main.py reports and exits on) instead of scoring -1 -- a -1 per sample would look like
+    data too hard. No error is counted; the next call gets a fresh worker."""
+    v = Verifier(timeout_s=10.0)
+    try:
+        ok = ("dapo_builtin", "Answer: 832", "832")
+        with pytest.raises(UnscorableDataSource) as err:
+            v.score_many([ok, ("gsm8k", "Answer: 1", "1"), ok])
+        assert isinstance(err.value, ValueError)
+        msg = str(err.value)
+        assert "'gsm8k'" in msg and "math_dapo" in msg and "aime" in msg and "actor.reward_fn=dapo.rewards:score" in msg
+        assert v.num_errors == 0 and v._proc is None
+        assert [g.reward for g in v.score_many([ok, ok])] == [1.0, 1.0]
+    finally:
+        v.close()
+
+
+@pytest.mark.timeout(60)
+def test_custom_score_fn_signals_unknown_source_and_keeps_other_errors_scored(verifier):
+    assert [(g.reward, g.error) for g in verifier.score_many([("t", "value", "1"), ("t", "1", "1")])] == [
+        (FAILED_REWARD, "ValueError: cannot parse"), (1.0, "")]
+    with pytest.raises(UnscorableDataSource, match="no verifier for data_source 'unknown' here"):
+        verifier.score_many([("t", "1", "1"), ("unknown", "1", "1")])
+    assert verifier.num_errors == 1
+
+
+@pytest.mark.timeout(90)
+def test_actor_stops_on_an_unscorable_lease_instead_of_pushing_minus_one(monkeypatch):
+    """The actor loop's scoring stage with the real worker: a lease whose data_source has no
+    verifier raises out of the loop (actors/main.py logs it and exits 3); no group is built."""
+    import threading
+
+    import numpy as np
+
+    from actors.engines.base import Sample
+    from actors.loop import Actor, Session
+    from actors.metrics import ActorMetrics
+    from dapo.config import DapoConfig
+    from protos import coordinator_pb2 as pb
+
+    run = pb.RunParams(num_samples_per_prompt=2, max_response_tokens=8, overlong_punishment=False)
+    v = Verifier(timeout_s=10.0)
+    actor = Actor(DapoConfig(), None, None, v, lambda ids: "Answer: 2", None, ActorMetrics(), threading.Event())
+    actor.session = Session(1, "run", run, None, threading.Event(), threading.Event())
+    samples = [[Sample([5, 6], np.zeros(2, np.float32), [0, 0], "stop")] * 2 for _ in range(2)]
+    leases = [pb.PromptLease(lease_id=1, prompt_id=1, prompt_token_ids=[1], data_source="dapo_builtin",
+                             ground_truth="2"),
+              pb.PromptLease(lease_id=2, prompt_id=2, prompt_token_ids=[1], data_source="my_bench", ground_truth="2")]
+    try:
+        groups = actor.score_and_shape(leases[:1], samples[:1])
+        assert groups[0].scores.tolist() == [1.0, 1.0]
+        with pytest.raises(UnscorableDataSource, match="'my_bench'"):
+            actor.score_and_shape(leases, samples)
+        assert actor.metrics.counters["verifier_errors"] == 0
     finally:
         v.close()
 
