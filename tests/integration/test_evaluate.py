@@ -1,13 +1,17 @@
-"""``dapo eval``: the pass@k estimator by hand, the CLI end to end on AIME 2024 and on the built-in
-held-out split (checked against an independent transformers sampler), and its input errors.
+"""``dapo eval``: the pass@k estimator by hand, the CLI end to end on AIME 2024, on the built-in
+held-out split (checked against an independent transformers sampler) and on arithmetic rows under
+the boxed and DAPO math sources, and its input errors.
 
-The end-to-end tests run ``python -m actors.evaluate`` as a subprocess, as ``dapo eval`` does.
+The end-to-end tests run ``python -m actors.evaluate`` as a subprocess, as ``dapo eval`` does, and
+re-score every saved response with the independent rule below: a verifier that always (or never)
+says correct fails them.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from math import comb
@@ -112,6 +116,44 @@ def test_flag_owned_override_is_rejected(capsys):
 
 
 # -- end to end --------------------------------------------------------------------------------
+def _expected_acc(data_source: str, response: str, ground_truth: str) -> bool:
+    """Correctness of a response whose answer is a plain integer, written independently of
+    dapo.rewards: the text after the last ``Answer:`` to the end of its line must equal the ground
+    truth as a string for the DAPO math source, as an integer for the others (the built-in task
+    and the boxed sources, which fall back to the ``Answer:`` line when nothing is boxed)."""
+    assert "boxed" not in response
+    idx = response.rfind("Answer:")
+    if idx < 0:
+        return False
+    answer = response[idx + len("Answer:"):].split("\n")[0].strip()
+    if data_source == "math_dapo":
+        return answer == ground_truth
+    return re.fullmatch(r"-?\d+", answer) is not None and int(answer) == int(ground_truth)
+
+
+def _check_every_verdict(report: dict) -> int:
+    """Each saved response's acc equals ``_expected_acc``; the overall and per-source avg@k and
+    pass@k equal those counts. Returns the number of correct samples."""
+    k, correct_by_source, prompts_by_source, any_by_source = report["k"], {}, {}, {}
+    for p in report["per_prompt"]:
+        expected = [_expected_acc(p["data_source"], r, p["ground_truth"]) for r in p["responses"]]
+        assert p["acc"] == expected, (p["data_source"], p["ground_truth"], p["responses"], p["acc"])
+        assert p["num_correct"] == sum(expected)
+        src = p["data_source"]
+        correct_by_source[src] = correct_by_source.get(src, 0) + sum(expected)
+        prompts_by_source[src] = prompts_by_source.get(src, 0) + 1
+        any_by_source[src] = any_by_source.get(src, 0) + any(expected)
+    assert set(report["by_data_source"]) == set(prompts_by_source)
+    for src, m in report["by_data_source"].items():
+        assert (m["num_prompts"], m["num_samples"]) == (prompts_by_source[src], prompts_by_source[src] * k)
+        assert m["avg@k"] == pytest.approx(correct_by_source[src] / (prompts_by_source[src] * k), abs=1e-12)
+        assert m["pass@k"] == pytest.approx(any_by_source[src] / prompts_by_source[src], abs=1e-12)  # n = k
+    total = sum(correct_by_source.values())
+    assert report["overall"]["avg@k"] == pytest.approx(total / report["overall"]["num_samples"], abs=1e-12)
+    assert report["verifier"]["errors"] == 0
+    return total
+
+
 def _run_eval(args: list[str], out: Path) -> dict:
     cmd = [sys.executable, "-m", "actors.evaluate", *args, "--out", str(out), f"run.cache_dir={CACHE_DIR}"]
     proc = subprocess.run(cmd, cwd=ROOT, env=os.environ.copy(), capture_output=True, text=True, timeout=170)
@@ -158,6 +200,35 @@ def test_aime_2024_end_to_end_scores_near_zero(tmp_path, tiny_path):
     assert overall["max_response_length_tokens"] <= max_response
     assert len(report["per_prompt"]) == rows_kept
     assert all(len(p["responses"]) == k and len(p["acc"]) == k for p in report["per_prompt"])
+    assert report["top_p"] == 0.7  # the paper's eval setting, the default; training refuses top_p < 1
+    _check_every_verdict(report)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_boxed_and_dapo_math_sources_end_to_end(tmp_path, tiny_path):
+    """Built-in problems (which the tiny model often solves) under an AIME-style source (the boxed
+    verifier, ground truths zero-padded: numeric equality) and the DAPO math source (string
+    equality), at the paper's top_p 0.7: every verdict is checked, so a verifier that says always
+    False (or always True) fails here even though AIME itself scores ~0."""
+    from dapo import task
+
+    problems = task.make_builtin_rows("eval", 12, seed=7)
+    rows = []
+    for i, row in enumerate(problems):
+        source, truth = ("aime24", row["reward_model"]["ground_truth"].zfill(4)) if i % 2 else \
+            ("math_dapo", row["reward_model"]["ground_truth"])
+        rows.append(dict(row, data_source=source, reward_model={"ground_truth": truth, "style": "rule"}))
+    data = tmp_path / "arith.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    k = 4
+    report = _run_eval(["builtin:tiny", str(data), "--k", str(k), "--top-p", "0.7", "--save-responses"],
+                       tmp_path / "arith.json")
+    assert report["top_p"] == 0.7 and report["overall"]["num_samples"] == len(rows) * k
+    assert [p["ground_truth"] for p in report["per_prompt"]] == [r["reward_model"]["ground_truth"] for r in rows]
+    assert set(report["by_data_source"]) == {"aime24", "math_dapo"}
+    correct = _check_every_verdict(report)
+    assert 0 < correct < len(rows) * k, correct  # both verdicts occur, so both are checked
 
 
 @pytest.mark.slow
@@ -174,10 +245,11 @@ def test_builtin_heldout_matches_independent_hf_sampler(tmp_path, tiny_path):
 
     num_prompts, k, top_p = 32, 8, 1.0
     report = _run_eval(["builtin:tiny", "builtin", "--k", str(k), "--top-p", str(top_p),
-                        "--limit", str(num_prompts)], tmp_path / "builtin.json")
+                        "--limit", str(num_prompts), "--save-responses"], tmp_path / "builtin.json")
     overall = report["overall"]
     assert overall["num_samples"] == num_prompts * k
-    assert 0.0 < overall["avg@k"] < 1.0
+    correct = _check_every_verdict(report)
+    assert 0 < correct < num_prompts * k, correct
     assert overall["pass@k"] >= overall["avg@k"]
 
     cfg = load_config([])
