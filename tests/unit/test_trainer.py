@@ -1,11 +1,15 @@
 """Trainer exactness: the same mini-batch gives the same loss and gradients (<= 1e-5) unpacked on one
-process, packed on 1 rank in one or many micro-batches, and packed on 2 FSDP ranks (gloo, spawn)."""
+process, packed on 1 rank in one or many micro-batches, and packed on 2 FSDP ranks (gloo, spawn); and
+whole training steps (recompute mode, several mini- and micro-batches, grad clip, warm-up) equal a
+reference written here from the paper's formula."""
 
 from __future__ import annotations
 
 import os
+import statistics
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -232,3 +236,221 @@ def test_checkpoint_resume_continues_the_same_trajectory_on_two_ranks(tmp_path):
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_1"]  # the tmp dir was renamed
     for k, v in out["a"].items():
         torch.testing.assert_close(out["b"][k], v, rtol=0, atol=1e-6, msg=lambda m: f"{k}: {m}")
+
+
+# ------------------------------------------------------- whole training steps from first principles
+#
+# The trainer (packing, micro-batches, FSDP ranks, π_prox once per step, TIS weight, clip, grad
+# clip, AdamW, warm-up) against the formula of DESIGN.md computed here sequence by sequence on a
+# plain model with a hand-written AdamW: nothing of learner/ or dapo.algorithm is used.
+# Narrow clip ranges so that the second mini-batch's ratios (after one update) are clipped; a
+# grad-clip below the gradient norm; sampler log-probs on both sides of the TIS cap.
+
+REF_ALG = dict(eps_low=0.02, eps_high=0.03, tis_cap=2.0, overlong_filter=True)
+REF_OPT = dict(lr=1e-2, weight_decay=0.1, warmup_steps=3, grad_clip=0.05)
+REF_TEMPERATURE, REF_STEPS, REF_GROUPS = 0.7, 2, 4
+ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8  # torch.optim.AdamW's defaults, which the trainer uses
+
+
+def wire_groups(seed: int, num_groups: int = REF_GROUPS, group_size: int = 3) -> list:
+    from dapo.wire import TrajectoryGroup
+
+    rng = np.random.default_rng(seed)
+    groups = []
+    for gi in range(num_groups):
+        lengths = rng.integers(1, 12, size=group_size).astype(np.int32)
+        total = int(lengths.sum())
+        rewards = rng.choice([1.0, -1.0, 0.5, -0.75], size=group_size)
+        rewards[0] = -rewards[1] if rewards[0] == rewards[1] else rewards[0]  # never all equal
+        groups.append(TrajectoryGroup(
+            run_id="r", actor_id=1, lease_id=gi, prompt_id=100 * seed + gi,
+            prompt_ids=rng.integers(0, VOCAB, size=int(rng.integers(2, 8))).astype(np.int32),
+            response_ids=rng.integers(0, VOCAB, size=total).astype(np.int32),
+            logprobs=-rng.uniform(0.5, 7.0, size=total).astype(np.float32),  # π_prox ≈ log(1/61) ≈ -4.1
+            loss_mask=(rng.random(total) > 0.15).astype(np.uint8), response_lengths=lengths,
+            versions=np.zeros(group_size, np.int64), version_changes=np.zeros((0, 3), np.int64),
+            rewards=rewards.astype(np.float32), acc=(rewards > 0).astype(np.float32),
+            scores=(rewards > 0).astype(np.float32),
+            finish_reasons=tuple("length" if rng.random() < 0.2 else "stop" for _ in range(group_size))))
+    return groups
+
+
+def ref_sequences(groups: list) -> list[dict]:
+    """One dict per sample: tokens, prompt length, sampler log-probs μ and loss mask of its
+    response tokens, advantage (Â = (R - mean) / (unbiased std + 1e-6) within its group, 0 for
+    equal rewards), group index. Truncated samples: masked, still in their group's statistics."""
+    out = []
+    for gi, g in enumerate(groups):
+        rewards = [float(r) for r in g.rewards]
+        mean, std = statistics.mean(rewards), statistics.stdev(rewards)
+        ends = np.cumsum(g.response_lengths)
+        for si, (start, end) in enumerate(zip(ends - g.response_lengths, ends)):
+            mask = torch.tensor(g.loss_mask[start:end], dtype=torch.float32)
+            if g.finish_reasons[si] == "length":
+                mask = torch.zeros_like(mask)
+            adv = 0.0 if max(rewards) == min(rewards) else (rewards[si] - mean) / (std + 1e-6)
+            out.append({"tokens": torch.tensor(np.concatenate([g.prompt_ids, g.response_ids[start:end]]),
+                                               dtype=torch.int64),
+                        "prompt_len": len(g.prompt_ids), "mu": torch.tensor(g.logprobs[start:end]),
+                        "mask": mask, "adv": adv, "group": gi})
+    return out
+
+
+def ref_response_logp(model: torch.nn.Module, seq: dict) -> torch.Tensor:
+    """log π(response token t | tokens before it) at the sampling temperature, one sequence alone."""
+    p, toks = seq["prompt_len"], seq["tokens"]
+    logits = model(input_ids=toks[None], use_cache=False).logits[0, p - 1:-1].float() / REF_TEMPERATURE
+    return torch.log_softmax(logits, -1).gather(-1, toks[p:, None]).squeeze(-1)
+
+
+def ref_adamw(params: list, grads: list, state: dict, lr: float) -> None:
+    """AdamW (Loshchilov & Hutter): decoupled decay, bias-corrected moments."""
+    b1, b2 = ADAM_BETAS
+    state["t"] = t = state.get("t", 0) + 1
+    with torch.no_grad():
+        for i, (p, g) in enumerate(zip(params, grads)):
+            m = state.setdefault(("m", i), torch.zeros_like(p))
+            v = state.setdefault(("v", i), torch.zeros_like(p))
+            m.mul_(b1).add_(g, alpha=1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            p.mul_(1 - lr * REF_OPT["weight_decay"])
+            p.sub_(lr / (1 - b1 ** t) * m / ((v / (1 - b2 ** t)).sqrt() + ADAM_EPS))
+
+
+def ref_minibatch_loss(model: torch.nn.Module, seqs: list[dict], prox: list[torch.Tensor], seen: dict
+                      ) -> tuple[torch.Tensor, float]:
+    """L = Σ_t mask·w·max(-Â·u, -Â·clip(u, 1-ε_low, 1+ε_high)) / Σ_t mask over all of ``seqs``,
+    u = π_θ/π_prox, w = min(π_prox/μ, C). Returns L and Σ w over the loss tokens."""
+    lo, hi, cap = 1 - REF_ALG["eps_low"], 1 + REF_ALG["eps_high"], REF_ALG["tis_cap"]
+    loss, w_sum = torch.zeros(()), 0.0
+    for s, logp_prox in zip(seqs, prox):
+        u = torch.exp(ref_response_logp(model, s) - logp_prox)
+        w = torch.exp(logp_prox - s["mu"]).clamp(max=cap)
+        a = s["adv"]
+        loss = loss + (w * torch.maximum(-a * u, -a * u.clamp(lo, hi)) * s["mask"]).sum()
+        on = s["mask"] > 0
+        w_sum += float(w[on].sum())
+        seen["tis_capped"] += int((w[on] == cap).sum())
+        seen["tis_uncapped"] += int((w[on] < 1).sum())
+        seen["ratio_clipped"] += int(((u[on] < lo) | (u[on] > hi)).sum())
+    return loss / sum(float(s["mask"].sum()) for s in seqs), w_sum
+
+
+def reference_training(steps: list[list], num_minibatches: int) -> tuple[list[dict], dict, dict]:
+    """Training steps of the decoupled DAPO objective (DESIGN.md). Per training step i: π_prox =
+    the weights before the step's first update; lr_i = lr · min(1, (i+1)/warmup) for every update
+    of the step; per mini-batch (groups [m·N/M, (m+1)·N/M)) the loss above, grads scaled by
+    min(1, clip/(‖g‖+1e-6)), AdamW. Returns the metrics per step, the final weights and how often
+    each term was active."""
+    model = tiny_model()
+    params = list(model.parameters())
+    state, metrics = {}, []
+    seen = {"tis_capped": 0, "tis_uncapped": 0, "ratio_clipped": 0, "grad_clipped": 0}
+    for i, groups in enumerate(steps):
+        lr = REF_OPT["lr"] * min(1.0, (i + 1) / REF_OPT["warmup_steps"])
+        seqs = ref_sequences(groups)
+        with torch.no_grad():
+            prox = [ref_response_logp(model, s) for s in seqs]
+        per_mb = len(groups) // num_minibatches
+        losses, norms, w_sum = [], [], 0.0
+        for m in range(num_minibatches):
+            mine = [j for j, s in enumerate(seqs) if s["group"] // per_mb == m]
+            loss, w = ref_minibatch_loss(model, [seqs[j] for j in mine], [prox[j] for j in mine], seen)
+            grads = torch.autograd.grad(loss, params)
+            norm = float(torch.sqrt(sum((g.double() ** 2).sum() for g in grads)))
+            coef = min(1.0, REF_OPT["grad_clip"] / (norm + 1e-6))
+            seen["grad_clipped"] += coef < 1
+            ref_adamw(params, [g * coef for g in grads], state, lr)
+            losses.append(float(loss.detach()))
+            norms.append(norm)
+            w_sum += w
+        tokens = sum(float(s["mask"].sum()) for s in seqs)
+        metrics.append({"train/loss": sum(losses) / len(losses), "train/grad_norm": sum(norms) / len(norms),
+                        "train/grad_norm_max": max(norms), "train/lr": lr, "train/loss_tokens": tokens,
+                        "train/importance_weight_mean": w_sum / tokens})
+    return metrics, {n: p.detach().clone() for n, p in model.named_parameters()}, seen
+
+
+def _ref_settings(num_minibatches: int):
+    from learner.trainer import TrainerSettings
+
+    alg = AlgorithmConfig(prox_logp="recompute", num_prompts_per_step=REF_GROUPS,
+                          num_minibatches_per_step=num_minibatches, **REF_ALG)
+    return TrainerSettings(temperature=REF_TEMPERATURE, token_sum_norm=16.0, algorithm=alg, **REF_OPT)
+
+
+def trainer_training(num_minibatches: int, budget: int) -> tuple[list[dict], dict]:
+    """The same steps through the real path (from_groups, scatter, Trainer.train_step); call on
+    every rank of an initialised process group. Weights come back on rank 0 ({} elsewhere)."""
+    import torch.distributed as dist
+
+    from learner.batch import from_groups
+    from learner.trainer import Trainer
+
+    settings = _ref_settings(num_minibatches)
+    trainer = Trainer(tiny_model(), settings, torch.device("cpu"))
+    metrics = []
+    for i in range(REF_STEPS):
+        batch = from_groups(wire_groups(seed=20 + i), settings.algorithm) if dist.get_rank() == 0 else None
+        shard = scatter_batch(batch, num_minibatches=num_minibatches, max_tokens_per_microbatch=budget)
+        metrics.append({**trainer.train_step(shard), "micro": shard.num_microbatches})
+    return metrics, trainer.full_state_dict()
+
+
+def check_against_reference(metrics: list[dict], weights: dict, num_minibatches: int) -> None:
+    ref_metrics, ref_weights, seen = reference_training([wire_groups(seed=20 + i) for i in range(REF_STEPS)],
+                                                        num_minibatches)
+    # The reference exercises every term: both sides of the TIS cap, clipped ratios (after the
+    # first update), clipped gradients.
+    assert seen["tis_capped"] > 0 and seen["tis_uncapped"] > 0 and seen["grad_clipped"] > 0, seen
+    assert seen["ratio_clipped"] > 0 or num_minibatches == 1, seen
+    for step, (got, want) in enumerate(zip(metrics, ref_metrics, strict=True)):
+        for key, value in want.items():
+            assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (step, key, got[key], value)
+    # Adam divides by √v: where a gradient is near its eps, float noise moves a weight by ~1e-6.
+    initial = tiny_model().state_dict()
+    for name, w in ref_weights.items():
+        torch.testing.assert_close(weights[name], w, rtol=0, atol=2e-5, msg=lambda m: f"{name}: {m}")
+    assert max(float((w - initial[n]).abs().max()) for n, w in ref_weights.items()) > 1e-3  # >> tolerance
+
+
+@pytest.fixture
+def one_gloo_rank(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("num_minibatches,budget", [(2, 24), (1, 10_000)])
+def test_training_steps_match_the_objective_computed_from_first_principles(one_gloo_rank, num_minibatches, budget):
+    metrics, weights = trainer_training(num_minibatches, budget)
+    if budget < 100:
+        assert all(m["micro"] > 1 for m in metrics)  # several micro-batches per mini-batch
+    check_against_reference(metrics, weights, num_minibatches)
+
+
+def _reference_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    metrics, weights = trainer_training(2, 30)
+    if rank == 0:
+        torch.save({"metrics": metrics, "weights": weights}, Path(out_dir) / "reference-w2.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_training_steps_on_two_ranks_match_the_objective_computed_from_first_principles(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_reference_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    out = torch.load(tmp_path / "reference-w2.pt")
+    check_against_reference(out["metrics"], out["weights"], 2)
