@@ -250,9 +250,23 @@ class LearnerConfig:
     collective broadcast (a dead or stalled actor fails the sync after this), in seconds."""
     weight_bucket_bytes: int = 64 << 20
     """Bucket size of the collective weight broadcast (one gloo/NCCL broadcast per bucket), in bytes."""
+    logprob_chunk_tokens: int = 1024
+    """Loss tokens per chunk through the LM head when computing log-probs and entropies: the fp32
+    logits of one chunk ([chunk, vocab]) are the largest buffer, recomputed in the backward, instead
+    of [micro-batch tokens, vocab] twice (learner/logprobs.py). 0 = the whole micro-batch at once."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them
+    (non-reentrant torch.utils.checkpoint per layer, under FSDP2): ~one more forward per step."""
+    cpu_offload: bool = False
+    """Keep the sharded parameters, gradients and AdamW state in CPU memory and step the optimizer
+    there (FSDP2 CPUOffloadPolicy); for CUDA learners short of device memory."""
 
     def __post_init__(self) -> None:
         _check(self.num_ranks >= 1, "learner.num_ranks", self.num_ranks, ">= 1")
+        _check(self.logprob_chunk_tokens >= 0, "learner.logprob_chunk_tokens", self.logprob_chunk_tokens,
+               ">= 0 (0 = unchunked)")
+        _check(not (self.cpu_offload and self.device == "cpu"), "learner.cpu_offload", self.cpu_offload,
+               "false with learner.device=cpu (a CPU learner has nothing to offload)")
         _check(self.weight_sync_timeout_s > 0, "learner.weight_sync_timeout_s", self.weight_sync_timeout_s, "> 0")
         _check(self.weight_bucket_bytes >= 4096, "learner.weight_bucket_bytes", self.weight_bucket_bytes, ">= 4096")
         _check(self.device in ("auto", "cpu", "cuda"), "learner.device", self.device, "auto, cpu or cuda")

@@ -23,16 +23,18 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from dapo.algorithm import loss_kwargs, policy_loss
 from dapo.config import AlgorithmConfig, LearnerConfig
 from learner.batch import PackedMicroBatch, RankShard
+from learner.logprobs import LogprobHead, install_logprob_head
 
 # Metric sums all-reduced once per step; token-weighted unless noted.
 _SUMS = ("loss", "tokens", "entropy", "clipfrac_high", "clipfrac_low", "dualclip_frac", "approx_kl_k1",
@@ -54,13 +56,22 @@ class TrainerSettings:
     algorithm: AlgorithmConfig
     param_dtype: torch.dtype = torch.float32
     """Compute dtype of forward/backward; master weights and optimizer state stay float32."""
+    logprob_chunk_tokens: int = 1024
+    """Loss tokens per chunk through the LM head (learner.logprob_chunk_tokens; 0 = all at once)."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward (learner.activation_checkpointing)."""
+    cpu_offload: bool = False
+    """Sharded parameters, gradients and optimizer state in CPU memory (learner.cpu_offload; CUDA only)."""
 
     @staticmethod
     def from_config(learner: LearnerConfig, algorithm: AlgorithmConfig, *, temperature: float,
                     max_response_tokens: int, model_dtype: str) -> "TrainerSettings":
         return TrainerSettings(learner.lr, learner.weight_decay, learner.warmup_steps, learner.grad_clip, temperature,
                                float(max_response_tokens), algorithm,
-                               torch.bfloat16 if model_dtype == "bfloat16" else torch.float32)
+                               torch.bfloat16 if model_dtype == "bfloat16" else torch.float32,
+                               logprob_chunk_tokens=learner.logprob_chunk_tokens,
+                               activation_checkpointing=learner.activation_checkpointing,
+                               cpu_offload=learner.cpu_offload)
 
 
 PACKED_ATTENTION = "dapo_packed"
@@ -93,15 +104,41 @@ def _register_packed_attention(model: torch.nn.Module) -> None:
     model.set_attn_implementation(PACKED_ATTENTION)
 
 
-def shard_model(model: torch.nn.Module, device: torch.device, param_dtype: torch.dtype) -> torch.nn.Module:
+def shard_model(model: torch.nn.Module, device: torch.device, param_dtype: torch.dtype, *,
+                activation_checkpointing: bool = False, cpu_offload: bool = False) -> torch.nn.Module:
     """``fully_shard`` each decoder layer, then the root. The model must be identical on all ranks
     (same seed or same checkpoint): FSDP2 does not synchronise initial values."""
+    if activation_checkpointing:
+        _apply_activation_checkpointing(model)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    offload = _offload_policy(device) if cpu_offload else OffloadPolicy()
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
     return model
+
+
+def _apply_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Non-reentrant ``torch.utils.checkpoint`` around each decoder layer, set before ``fully_shard``
+    (as torchtitan's ``apply_ac``). HF's per-layer switch keeps parameter names unchanged (a
+    ``checkpoint_wrapper`` would insert ``_checkpoint_wrapped_module.`` into every layer's names); the
+    layer's FSDP hooks then run inside the checkpointed call, and FSDP2's pre-forward hook skips the
+    unshard during the backward's recompute (the pre-backward hook has already gathered the layer)."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"learner.activation_checkpointing: {type(model).__name__} does not support "
+                         "per-layer checkpointing; set learner.activation_checkpointing=false")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def _offload_policy(device: torch.device) -> OffloadPolicy:
+    """FSDP2 keeps the sharded parameters, their gradients and so AdamW's state on the CPU, copies
+    shards to the device for each all-gather and steps the optimizer on the CPU."""
+    if device.type == "cpu":
+        warnings.warn("learner.cpu_offload has no effect on a CPU learner (everything is in CPU memory already)",
+                      stacklevel=3)
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=True)
 
 
 class Trainer:
@@ -112,7 +149,10 @@ class Trainer:
         self.device = device
         self.world_size = dist.get_world_size()
         _register_packed_attention(model)
-        self.model = shard_model(model.to(device), device, settings.param_dtype)
+        self.head: LogprobHead | None = install_logprob_head(model) if settings.logprob_chunk_tokens > 0 else None
+        self.model = shard_model(model.to(device), device, settings.param_dtype,
+                                 activation_checkpointing=settings.activation_checkpointing,
+                                 cpu_offload=settings.cpu_offload)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr,
                                            weight_decay=settings.weight_decay)
@@ -126,12 +166,22 @@ class Trainer:
 
     def logprobs(self, mb: PackedMicroBatch, *, with_entropy: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs [K] of the loss tokens under the current weights (and their entropies)."""
+        """Log-probs [K] of the loss tokens under the current weights (and their entropies); through the
+        chunked LM head (learner/logprobs.py) unless ``logprob_chunk_tokens`` is 0."""
         dev = self.device
         if mb.is_empty:
             out = self.model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev),
                              use_cache=False, logits_to_keep=1)
             return out.logits.sum() * 0.0, None  # keeps the graph (and FSDP's backward) alive
+        if self.head is not None:
+            # The head runs inside the root module's forward, where FSDP2 has gathered its weight.
+            with self.head.targets(mb.target_ids.to(dev)[None], temperature=self.settings.temperature,
+                                   chunk_tokens=self.settings.logprob_chunk_tokens, with_entropy=with_entropy):
+                out = self.model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev),
+                                 use_cache=False, logits_to_keep=mb.logit_index.to(dev),
+                                 dapo_seq_bounds=mb.seq_bounds)
+            res = out.logits[0]  # [K, 2]: log-prob, entropy
+            return res[:, 0], (res[:, 1].detach() if with_entropy else None)
         out = self.model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev), use_cache=False,
                          logits_to_keep=mb.logit_index.to(dev), dapo_seq_bounds=mb.seq_bounds)
         logits = out.logits[0].float() / self.settings.temperature  # [K, V]
