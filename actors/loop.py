@@ -16,7 +16,9 @@
                                            score_and_shape()   verifier worker process with a
                                                 |              deadline; + overlong penalty
   ReplayQueue (ZMQ PULL) <-- frames ------ push()              PUSH, HWM, send deadline;
-                                                               unsent -> ReturnLeases
+                                                |              unsent -> ReturnLeases
+                                           (before the push: each group's token versions ->
+                                            <run.run_dir>/logs/generations-<host>-<pid>.jsonl)
   Coordinator <-- Leave ------------------ leave()             on stop: leases go back
 ```
 
@@ -36,6 +38,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -43,7 +46,7 @@ import numpy as np
 from actors.client import (AuthError, CollectiveFollower, CoordinatorClient, GroupPusher, LearnerUnavailable,
                            SessionLost)
 from actors.engines import Engine, Sample
-from actors.metrics import ActorMetrics
+from actors.metrics import ActorMetrics, GenerationLog
 from actors.verifier import Verifier
 from dapo.algorithm import overlong_penalty
 from dapo.config import DapoConfig
@@ -78,6 +81,8 @@ class Actor:
         self.latest_version = 0
         self.batch_index = 0
         self.name = f"{socket.gethostname()}:{os.getpid()}"
+        self.generations = GenerationLog(
+            Path(cfg.run.run_dir) / "logs" / f"generations-{socket.gethostname()}-{os.getpid()}.jsonl")
 
     def run(self) -> int:
         """Serve until ``stop``; returns the exit code (0)."""
@@ -94,6 +99,7 @@ class Actor:
                 if self.stop.is_set():  # SIGTERM: return the leases rather than finish them
                     break
                 groups = self.score_and_shape(leases, samples)
+                self.record_generations(leases, samples)
                 self.push(leases, groups)
                 self.log_progress()
             except SessionLost as exc:  # a new learner incarnation, or declared dead: register again
@@ -244,6 +250,14 @@ class Actor:
         self.metrics.counters["verifier_errors"] = self.verifier.num_errors
         self.metrics.counters["verifier_timeouts"] = self.verifier.num_timeouts
         return out
+
+    def record_generations(self, leases: list[pb.PromptLease], samples: list[list[Sample]]) -> None:
+        """Before the push, so that every group that can reach the queue has its record (a push
+        that fails leaves an extra record, harmless to the audit that reads them)."""
+        session = self._session()
+        for lease, group in zip(leases, samples):
+            self.generations.record(run_id=session.run_id, actor_id=session.actor_id, lease_id=lease.lease_id,
+                                    prompt_id=lease.prompt_id, token_versions=[s.versions for s in group])
 
     def push(self, leases: list[pb.PromptLease], groups: list[TrajectoryGroup]) -> None:
         session = self._session()

@@ -7,17 +7,24 @@ coordinator gave no prompts (staleness bound, queue credit) or because weights w
 
 Optional Prometheus endpoint (``actor.prometheus_port > 0``): the same numbers as
 ``dapo_actor_*`` gauges, read at scrape time from ``snapshot()`` (no second bookkeeping).
+
+``GenerationLog``: one JSON line per generated group, written just before its push, with the
+policy versions the engine reported for its tokens: the ground truth of a staleness audit that
+does not rely on the learner's own books (tests/chaos/cluster.py joins it with the learner's
+trained_prompts.jsonl).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from pathlib import Path
+from typing import IO, Callable, Iterator, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +92,45 @@ class ActorMetrics:
                 f"verifier_errors={int(s['actor/verifier_errors'])} "
                 f"push_failures={int(s['actor/push_failures'])} time/ "
                 + " ".join(f"{k[5:-2]}={v:.1f}s" for k, v in sorted(s.items()) if k.startswith("time/")))
+
+
+class GenerationLog:
+    """Append-only JSONL, one line per group: ``run_id``, ``actor_id``, ``lease_id``,
+    ``prompt_id``, ``min_token_version`` / ``max_token_version`` (over every token of the group's
+    samples, as the engine reported them), ``num_samples``, ``num_tokens``, ``unix_time_s`` (just
+    before the push). The file is opened at the first record; a write error is logged once and
+    ends the log, never the actor."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: IO[str] | None = None
+        self._failed = False
+
+    def record(self, *, run_id: str, actor_id: int, lease_id: int, prompt_id: int,
+               token_versions: Sequence[Sequence[int]]) -> None:
+        """``token_versions``: per sample, the policy version of each of its tokens."""
+        flat = [int(v) for sample in token_versions for v in sample]
+        if not flat or self._failed:
+            return
+        line = json.dumps({"run_id": run_id, "actor_id": int(actor_id), "lease_id": int(lease_id),
+                           "prompt_id": int(prompt_id), "min_token_version": min(flat),
+                           "max_token_version": max(flat), "num_samples": len(token_versions),
+                           "num_tokens": len(flat), "unix_time_s": time.time()})
+        try:
+            if self._file is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = open(self.path, "a")
+            # Flushed per line: a kill -9 right after the push still leaves the record on disk.
+            self._file.write(line + "\n")
+            self._file.flush()
+        except OSError as exc:
+            self._failed = True
+            log.warning("generation log %s: %s; no more generation records from this actor", self.path, exc)
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 def prometheus_name(key: str) -> str:

@@ -200,10 +200,47 @@ def effective_trained(run_dir: Path) -> list[tuple[int, list[int]]]:
     return sorted(steps.items())
 
 
+def actor_generations(run_dir: Path) -> dict[int, list[dict]]:
+    """Every actor's generation records (actors.metrics.GenerationLog, under run_dir/logs),
+    by prompt id, oldest first."""
+    by_prompt: dict[int, list[dict]] = {}
+    for path in sorted((run_dir / "logs").glob("generations-*.jsonl")):
+        for rec in read_jsonl(path):
+            by_prompt.setdefault(int(rec["prompt_id"]), []).append(rec)
+    for recs in by_prompt.values():
+        recs.sort(key=lambda r: r["unix_time_s"])
+    return by_prompt
+
+
+def actor_staleness(run_dir: Path, trained: list[tuple[int, list[int]]], step_unix_s: dict[int, float]
+                    ) -> tuple[dict[int, list[int]], list[tuple[int, int]]]:
+    """Staleness of every trained group from the versions the ACTOR saw while generating it, not
+    from anything the learner computed: training step s runs on learner version s - 1 (version v+1
+    is what step v+1 publishes), so staleness = s - 1 - (oldest token version of the group).
+
+    A prompt is generated more than once when a group is dropped (stale at consumption, lease
+    expired, failed push) or a resumed learner re-issues it; the trained group is the prompt's
+    last record written before the step's metrics line (actors and learner share this host's
+    clock). Returns {step: staleness of each of its groups} and the (step, prompt id) pairs that
+    have no record at all."""
+    records = actor_generations(run_dir)
+    per_step: dict[int, list[int]] = {}
+    missing = []
+    for step, prompt_ids in trained:
+        before = step_unix_s.get(step, float("inf"))
+        for prompt_id in prompt_ids:
+            recs = [r for r in records.get(prompt_id, []) if r["unix_time_s"] < before]
+            if not recs:
+                missing.append((step, prompt_id))
+                continue
+            per_step.setdefault(step, []).append(step - 1 - int(recs[-1]["min_token_version"]))
+    return per_step, missing
+
+
 def audit_run(run_dir: Path, *, total_steps: int, num_prompts_per_step: int, max_staleness_steps: int) -> dict:
     """Exactly-once and staleness audit of a finished run from its files: trained_prompts.jsonl,
-    metrics.jsonl and the final checkpoint's coordinator state. Returns the numbers; the caller
-    asserts."""
+    metrics.jsonl, the final checkpoint's coordinator state and the actors' generation records.
+    Returns the numbers; the caller asserts (``check_audit``)."""
     from learner.checkpoint import latest_checkpoint
     from learner.coordinator import Coordinator
 
@@ -216,16 +253,22 @@ def audit_run(run_dir: Path, *, total_steps: int, num_prompts_per_step: int, max
     last = {}
     for r in metrics:  # after a resume, the last record of a step is the one that counts
         last[int(r["step"])] = r
-    staleness = [float(r["staleness/max_steps"]) for r in last.values()]
+    per_step, missing = actor_staleness(run_dir, trained, {s: r["unix_time_s"] for s, r in last.items()})
+    staleness = [x for xs in per_step.values() for x in xs]
+    # The learner's own figure must agree with the actors' (it is logged, and sweeps plot it).
+    disagree = [(s, last[s]["staleness/max_steps"], max(xs)) for s, xs in sorted(per_step.items())
+                if s in last and last[s]["staleness/max_steps"] != max(xs)]
     counters = {k: v for k, v in (metrics[-1] if metrics else {}).items() if k.startswith(("coordinator/", "queue/"))}
     return {
         "final_step": int(state["step"]), "steps": [s for s, _ in trained], "trained_groups": len(ids),
         "trained_twice": len(ids) - len(set(ids)),
         "checkpoint_trained_matches": sorted(state["coordinator"]["trained"]) == sorted(ids),
         "expected_groups": total_steps * num_prompts_per_step,
-        "coordinator": books, "max_staleness_steps_seen": max(staleness, default=-1.0),
-        "staleness_bound": max_staleness_steps, "staleness_steps_checked": len(staleness),
-        "counters": counters,
+        "coordinator": books, "max_staleness_steps_seen": max(staleness, default=-1),
+        "min_staleness_steps_seen": min(staleness, default=-1), "staleness_bound": max_staleness_steps,
+        "staleness_groups_checked": len(staleness), "groups_without_actor_record": missing,
+        "staleness_over_bound": [(s, x) for s, xs in sorted(per_step.items()) for x in xs if x > max_staleness_steps],
+        "metrics_staleness_disagrees": disagree, "metrics_steps": len(last), "counters": counters,
     }
 
 
@@ -244,8 +287,21 @@ def check_audit(report: dict) -> list[str]:
     for key in ("lost", "duplicates", "unknown"):
         if books[key]:
             problems.append(f"coordinator audit: {key} = {books[key]}")
-    if report["staleness_steps_checked"] != report["final_step"]:
-        problems.append(f"staleness known for {report['staleness_steps_checked']} of {report['final_step']} steps")
-    if report["max_staleness_steps_seen"] > report["staleness_bound"]:
-        problems.append(f"staleness {report['max_staleness_steps_seen']} > bound {report['staleness_bound']}")
+    if report["groups_without_actor_record"]:
+        problems.append(f"trained (step, prompt) without an actor generation record: "
+                        f"{report['groups_without_actor_record'][:10]}")
+    if report["staleness_groups_checked"] != report["trained_groups"]:
+        problems.append(f"staleness known for {report['staleness_groups_checked']} of {report['trained_groups']} "
+                        "trained groups")
+    if report["staleness_over_bound"]:
+        problems.append(f"(step, staleness) over the bound {report['staleness_bound']} by the actors' token "
+                        f"versions: {report['staleness_over_bound'][:10]}")
+    if report["min_staleness_steps_seen"] < 0:
+        problems.append(f"a group trained at a version older than its tokens' (staleness "
+                        f"{report['min_staleness_steps_seen']}): the version bookkeeping or the audit's join is wrong")
+    if report["metrics_steps"] != report["final_step"]:
+        problems.append(f"metrics.jsonl has {report['metrics_steps']} of {report['final_step']} steps")
+    if report["metrics_staleness_disagrees"]:
+        problems.append(f"(step, learner's staleness/max_steps, actors') disagree: "
+                        f"{report['metrics_staleness_disagrees'][:10]}")
     return problems

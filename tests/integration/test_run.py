@@ -48,9 +48,10 @@ def test_dapo_run_learns_within_the_staleness_bound_and_writes_the_run_folder(tm
     assert start <= 0.45, f"the warm start should begin RL at low accuracy, got {start}"
     assert end >= start + 0.2, f"held-out accuracy did not rise well above its start: {evals}"
 
+    # Staleness by the actors' own generation records (run_dir/logs), joined with trained_prompts.jsonl.
     report = audit_run(run_dir, total_steps=STEPS, num_prompts_per_step=N, max_staleness_steps=K)
     assert check_audit(report) == [], report
-    assert 0 <= report["max_staleness_steps_seen"] <= K
+    assert report["staleness_groups_checked"] == STEPS * N and 0 <= report["max_staleness_steps_seen"] <= K
 
     for name in ("curves.png", "hf/config.json", "hf/model.safetensors", "config.resolved.json"):
         assert (run_dir / name).is_file(), name
