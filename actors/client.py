@@ -9,6 +9,12 @@ map onto the three things the actor loop does about them:
   new learner incarnation); register again and refetch weights.
 - ``AuthError`` (UNAUTHENTICATED, PERMISSION_DENIED): fatal, the token is wrong; retrying
   cannot help.
+
+Lease calls are numbered (``LeaseNumbers``; the idempotent Lease of coordinator.proto): a call
+that got no reply is retried with its number, so a grant whose reply was lost is replayed rather
+than stranded; Lease and Heartbeat requests report the last number whose reply arrived. The
+actor loop needs to know nothing of it. Heartbeat replies that count groups the replay queue
+rejected are logged here, with the reason.
 """
 
 from __future__ import annotations
@@ -39,6 +45,46 @@ class AuthError(PermissionError):
     """The learner rejected the auth token."""
 
 
+class LeaseNumbers:
+    """The actor's half of the idempotent Lease: numbers per registration (actor id), the
+    number of a call that got no reply reused by the next call, the last number answered.
+    Thread-safe (Lease calls come from the loop, Heartbeats from their own thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._actor_id = 0
+        self._last_used = 0
+        self._unanswered = 0
+        self._received = 0
+
+    def _session(self, actor_id: int) -> None:
+        if actor_id != self._actor_id:  # a new registration numbers from 1 again
+            self._actor_id, self._last_used, self._unanswered, self._received = actor_id, 0, 0, 0
+
+    def stamp_lease(self, request) -> None:
+        """Number an unnumbered LeaseRequest: a retry of an unanswered call keeps its number."""
+        with self._lock:
+            self._session(request.actor_id)
+            if not request.request_id:
+                if not self._unanswered:
+                    self._last_used += 1
+                    self._unanswered = self._last_used
+                request.request_id = self._unanswered
+            request.last_received_request_id = self._received
+
+    def answered(self, request) -> None:
+        with self._lock:
+            if request.actor_id == self._actor_id:
+                self._received = request.request_id
+                if self._unanswered == request.request_id:
+                    self._unanswered = 0
+
+    def stamp_heartbeat(self, request) -> None:
+        with self._lock:
+            self._session(request.actor_id)
+            request.last_received_lease_request_id = self._received
+
+
 class CoordinatorClient:
     """Typed, deadline-bound calls to the Coordinator service of ``address`` (``host:port``)."""
 
@@ -57,14 +103,36 @@ class CoordinatorClient:
             ("grpc.max_reconnect_backoff_ms", int(reconnect_backoff_max_s * 1000)),
         ])
         self.stub = pb_grpc.CoordinatorStub(self._channel)
+        self.lease_numbers = LeaseNumbers()
+        self._rejected_seen: tuple[int, int] = (0, 0)  # (actor id, groups_rejected logged so far)
 
     def call(self, method: str, request, timeout_s: float | None = None):
-        """``stub.<method>(request)`` with the token and a deadline; errors mapped (see module doc)."""
+        """``stub.<method>(request)`` with the token and a deadline; errors mapped (see module doc).
+        Lease requests are numbered and Heartbeat requests acknowledge (module doc)."""
+        if method == "Lease":
+            self.lease_numbers.stamp_lease(request)
+        elif method == "Heartbeat":
+            self.lease_numbers.stamp_heartbeat(request)
         try:
-            return getattr(self.stub, method)(request, timeout=timeout_s or self.rpc_timeout_s,
-                                              metadata=self._metadata)
+            response = getattr(self.stub, method)(request, timeout=timeout_s or self.rpc_timeout_s,
+                                                  metadata=self._metadata)
         except grpc.RpcError as exc:
             raise map_rpc_error(method, self.address, exc) from None
+        if method == "Lease":
+            self.lease_numbers.answered(request)
+        elif method == "Heartbeat":
+            self._report_rejections(request.actor_id, response)
+        return response
+
+    def _report_rejections(self, actor_id: int, response) -> None:
+        seen_actor, seen = self._rejected_seen
+        seen = seen if seen_actor == actor_id else 0
+        if response.groups_rejected > seen:
+            log.warning("the replay queue rejected %d more of this actor's groups (%d in all; latest reason: %s); "
+                        "their prompts go to other actors. Check that the actor runs the learner's model, "
+                        "tokenizer and RunParams; the learner's log has the details.",
+                        response.groups_rejected - seen, response.groups_rejected, response.last_rejected_reason)
+        self._rejected_seen = (actor_id, max(seen, response.groups_rejected))
 
     def close(self) -> None:
         self._channel.close()

@@ -50,7 +50,7 @@ def build_frames(spec: dict) -> list[list[bytes]]:
         acc = (np.arange(g) % 2).astype(np.float32)
         group = TrajectoryGroup(
             run_id=spec["run_id"], actor_id=spec["actor_id"], lease_id=lease_id, prompt_id=prompt_id,
-            prompt_ids=rng.integers(0, 32000, spec["prompt_tokens"]).astype(np.int32),
+            prompt_ids=np.arange(spec["prompt_tokens"], dtype=np.int32),  # the leased prompt (Source below)
             response_ids=rng.integers(0, 32000, total).astype(np.int32),
             logprobs=-rng.random(total).astype(np.float32), loss_mask=np.ones(total, np.uint8),
             response_lengths=lengths, versions=np.zeros(g, np.int64), version_changes=np.zeros((0, 3), np.int64),
@@ -125,13 +125,14 @@ def run_queue(args: argparse.Namespace, shape: dict, tmp: Path) -> tuple[float, 
     cfg = DapoConfig(transport=TransportConfig(host="127.0.0.1", zmq_port=0, auth_token=TOKEN, queue_max_groups=256),
                      algorithm=AlgorithmConfig(num_prompts_per_step=batch, num_samples_per_prompt=shape["G"],
                                                num_minibatches_per_step=1, max_staleness_steps=1 << 20))
+    cfg.actor.max_response_tokens = shape["response_tokens"] * 3 // 2  # build_frames' longest
 
     class Source:
         def __len__(self) -> int:
             return n
 
         def get(self, index: int) -> tuple[list[int], str, str]:
-            return [1, 2, 3], "bench", ""
+            return list(range(shape["prompt_tokens"])), "bench", ""
 
     # Lease every group up front (credit = n), so the sender never waits for the coordinator.
     coord = Coordinator(Source(), num_prompts_per_step=batch, max_staleness_steps=1 << 20, queue_max_groups=n,
@@ -140,7 +141,7 @@ def run_queue(args: argparse.Namespace, shape: dict, tmp: Path) -> tuple[float, 
     leases = coord.lease(actor, n, 0).leases
     assert len(leases) == n, coord.counters()
     spec = dict(shape, run_id=coord.run_id, actor_id=actor, leases=[(g.lease_id, g.prompt_id) for g in leases])
-    queue = TimedQueue(cfg, coord)
+    queue = TimedQueue(cfg, coord, vocab_size=32000)  # build_frames draws ids below it
     endpoint = queue.start()
     consumed: list = []
     done_s: list[float] = []

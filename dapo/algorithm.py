@@ -274,7 +274,8 @@ class DynamicSamplingFilter:
     Usage: for each scored group, ``if filt.offer(acc): keep(group)``; when ``filt.batch_full``,
     form a batch of N kept groups and call ``filt.take_batch()`` (per-batch stats). Kept groups
     beyond N stay counted for the next batch (``pending_groups``), so a caller may keep offering
-    while the learner is busy. ``reset()`` forgets pending groups (e.g. after discarding them).
+    while the learner is busy. ``reset()`` forgets pending groups (e.g. after discarding them);
+    ``unkeep()`` forgets one kept group that was discarded before it reached a batch.
 
     A group is kept iff its accuracies are neither all 0 nor all 1: such a group has zero
     advantage everywhere and carries no gradient. Filter on accuracy, not the shaped reward:
@@ -350,6 +351,19 @@ class DynamicSamplingFilter:
         self.reset()
         self.pending_groups = pending
         return stats
+
+    def unkeep(self) -> None:
+        """A kept group was discarded before it reached a batch (e.g. too stale at consumption):
+        it stops counting as pending and as kept in the stats. Callers batch kept groups in
+        arrival order, so the discarded one is the oldest pending: carried over from an earlier
+        batch's window (already reported there) while any are, else kept in this window.
+        Lifetime counters record decisions and stay."""
+        if self.pending_groups < 1:
+            raise RuntimeError("unkeep: no kept group is pending")
+        carried_over = self.pending_groups - self._batch[0]
+        self.pending_groups -= 1
+        if carried_over == 0:
+            self._batch[0] -= 1
 
     def reset(self) -> None:
         """Forget pending groups, per-batch stats and the drop streak (lifetime counters stay)."""

@@ -11,8 +11,7 @@
 Exactly once: a prompt has at most one active lease; a group is accepted only for an active
 lease (``complete_lease``), so a group whose lease was re-issued is dropped, never trained twice;
 every lease that does not complete goes back to ``pending`` and is re-issued first, so no prompt
-is lost. Prompt ids are unique across epochs: ``epoch * len(source) + row``, the row order a
-seeded permutation per epoch (``prompt_id % len(source)`` is the row).
+is lost. Prompt ids come from the data cursor (learner/cursor.py): unique across epochs.
 
 Staleness at dispatch (DESIGN.md, the AReaL rule), with N = groups per step and k = max
 staleness: a prompt is leased only while ``in_flight + accepted_or_trained < (version + k + 1) * N``
@@ -20,98 +19,41 @@ and only to an actor whose weights are >= ``version - k``. Groups dropped by dyn
 as too stale free their slot. Lease credit bounds the replay queue: ``in_flight + queued <
 queue_max_groups``, so the queue never holds more decoded groups than that.
 
+Idempotent Lease (``lease_numbered``): numbered Lease calls get the grants of a reply they
+missed, and a reply that never arrived returns its leases within about a heartbeat timeout;
+learner/leases.py has the rules.
+
+A group that does not fit the run (wrong group size, too long, token outside the vocabulary,
+prompt ids that are not the lease's) is rejected at ``complete_lease``: its prompt is re-issued,
+the actor's rejection count and latest reason go out in heartbeat replies and Status, and the
+first rejection per reason and actor is logged with the actor's name.
+
+Publication: ``begin_publish(v)`` before weights v can reach any actor, ``set_version(v)`` once
+they are published. In between, an actor already holding v (a collective member received it, a
+registering actor fetched it) may lease, and its groups are admitted (``newest_version``).
+
 Thread-safe (one lock; the gRPC servicer, the replay receiver and the learner call in). No
 threads of its own: expiry runs lazily at the start of every call, against an injectable clock.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from dapo.config import DapoConfig
+from learner.cursor import PromptCursor, PromptSource, RowCount
+from learner.leases import ActorInfo, HeartbeatReply, Lease, LeaseGrant, LeaseReply, LeaseResult, UnknownActor
 
-LEASE_DENIALS = ("staleness_bound", "weights_too_old", "data_exhausted", "queue_full", "shutting_down")
-"""Why ``lease`` granted fewer prompts than asked ("" = all granted)."""
+log = logging.getLogger(__name__)
+
 STATE_FORMAT = 1
-
-
-class PromptSource(Protocol):
-    """Training prompts by row (``dapo.data.PromptDataset`` satisfies it)."""
-
-    def __len__(self) -> int: ...
-
-    def get(self, index: int) -> tuple[Sequence[int], str, str]:
-        """Row ``index`` as (prompt token ids, data_source, ground_truth); a NamedTuple is fine."""
-        ...
-
-
-class _RowCount:
-    """A PromptSource with rows but no content (auditing a saved state needs only the count)."""
-
-    def __init__(self, num_rows: int) -> None:
-        self.num_rows = num_rows
-
-    def __len__(self) -> int:
-        return self.num_rows
-
-    def get(self, index: int) -> tuple[Sequence[int], str, str]:
-        raise LookupError("an audit-only coordinator has no prompt contents")
-
-
-class UnknownActor(KeyError):
-    """The actor id is not registered (never was, declared dead, or from a previous learner run)."""
-
-    def __init__(self, actor_id: int) -> None:
-        super().__init__(actor_id)
-        self.actor_id = actor_id
-
-    def __str__(self) -> str:
-        return (f"actor {self.actor_id} is not registered with this coordinator (it missed heartbeats, "
-                f"left, or registered with a previous learner run): call Register again")
-
-
-@dataclass(frozen=True)
-class LeaseGrant:
-    lease_id: int
-    prompt_id: int
-    prompt_token_ids: list[int]
-    data_source: str
-    ground_truth: str
-
-
-@dataclass
-class LeaseResult:
-    leases: list[LeaseGrant]
-    denial: str
-    """'' when every asked-for prompt was granted, else one of LEASE_DENIALS."""
-    retry_after_s: float
-    latest_version: int
-
-
-@dataclass
-class ActorInfo:
-    actor_id: int
-    name: str
-    capabilities: dict[str, Any]
-    weight_version: int
-    last_seen_s: float
-    lease_ids: set[int] = field(default_factory=set)
-    counters: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass
-class _Lease:
-    lease_id: int
-    prompt_id: int
-    actor_id: int
-    issued_at_s: float
 
 
 class Coordinator:
@@ -132,20 +74,20 @@ class Coordinator:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.lease_timeout_s = lease_timeout_s
         self.lease_retry_after_s = lease_retry_after_s
-        self.seed, self.shuffle, self.max_epochs = seed, shuffle, max_epochs
+        self.seed, self.shuffle = seed, shuffle
         self.run_id = run_id or secrets.token_hex(8)
         self._clock = clock
         self._lock = threading.RLock()
         self._actors_changed = threading.Condition(self._lock)
         self._num_rows = len(source)
         self._version = 0
-        self._epoch, self._position = 0, 0
-        self._perm_epoch, self._perm = -1, np.zeros(0, np.int64)
+        self._publishing = 0  # > _version while begin_publish(v) waits for set_version(v)
+        self._cursor = PromptCursor(self._num_rows, seed=seed, shuffle=shuffle, max_epochs=max_epochs)
         # Actor ids start at a random base so an id from a previous learner run is never reused.
         self._next_actor_id = secrets.randbelow(1 << 40) << 20
         self._next_lease_id = 1
         self._actors: dict[int, ActorInfo] = {}
-        self._active: dict[int, _Lease] = {}
+        self._active: dict[int, Lease] = {}
         self._active_prompts: set[int] = set()
         self._pending: deque[int] = deque()
         self._queued: set[int] = set()
@@ -167,6 +109,20 @@ class Coordinator:
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def newest_version(self) -> int:
+        """The newest weights an actor may hold: ``version``, or the version being published."""
+        return max(self._version, self._publishing)
+
+    def begin_publish(self, version: int) -> None:
+        """Weights ``version`` may reach actors from now on (the publisher makes them fetchable
+        or broadcasts them before ``set_version(version)``): actors holding them may lease, their
+        groups are admitted. Slots and the announced version stay at ``version`` until then."""
+        with self._lock:
+            if version < self._version:
+                raise ValueError(f"begin_publish({version}): versions only increase (now {self._version})")
+            self._publishing = max(self._publishing, version)
 
     def set_version(self, version: int) -> None:
         """The learner published ``version`` (called after each training step)."""
@@ -206,14 +162,21 @@ class Coordinator:
             self._count("actors_registered")
             return actor_id
 
-    def heartbeat(self, actor_id: int, weight_version: int, counters: dict[str, int] | None = None) -> tuple[int, bool]:
-        """Returns (latest version, shutdown). Raises UnknownActor."""
+    def heartbeat(self, actor_id: int, weight_version: int, counters: dict[str, int] | None = None,
+                  lease_ack: int | None = None) -> HeartbeatReply:
+        """``lease_ack``: the request id of the last numbered Lease reply the actor received (0 =
+        none; None = not reported). Raises UnknownActor."""
         with self._lock:
             actor = self._touch(actor_id)
             actor.weight_version = weight_version
             if counters is not None:
                 actor.counters = dict(counters)
-            return self._version, self._shutdown
+            reply = actor.last_reply
+            if (lease_ack is not None and reply is not None
+                    and reply.lost_by_heartbeat(lease_ack, self._clock(), self.heartbeat_timeout_s)):
+                self._reclaim_reply_locked(actor)
+            return HeartbeatReply(self._version, self._shutdown, sum(actor.rejected.values()),
+                                  actor.last_rejected_reason)
 
     def leave(self, actor_id: int) -> int:
         """Forget the actor; its leases are re-issued. Returns how many it held."""
@@ -246,8 +209,8 @@ class Coordinator:
             # The first binding limit is the reason reported when fewer than asked are granted.
             # Ties go to the earlier entry: an actionable reason (shut down, load weights) first.
             limits = [(num_prompts, ""), (0 if self._shutdown else num_prompts, "shutting_down"),
-                      # Weights ahead of the version: the learner restarted from a checkpoint.
-                      (0 if not self._version - k <= weight_version <= self._version else num_prompts,
+                      # Weights ahead of the newest version: the learner restarted from a checkpoint.
+                      (0 if not self._version - k <= weight_version <= self.newest_version else num_prompts,
                        "weights_too_old"),
                       (max(slots, 0), "staleness_bound"), (max(credit, 0), "queue_full")]
             want, denial = min(limits, key=lambda lim: lim[0])
@@ -263,6 +226,28 @@ class Coordinator:
             retry = 0.0 if denial in ("", "weights_too_old") else self.lease_retry_after_s
             return LeaseResult(grants, denial, retry, self._version)
 
+    def lease_numbered(self, actor_id: int, num_prompts: int, weight_version: int, *, request_id: int,
+                       last_received_request_id: int) -> LeaseResult:
+        """``lease`` for an actor that numbers its calls (learner/leases.py): a retry of
+        ``request_id`` gets the grants of the reply it missed that it still holds; a new number
+        that does not acknowledge the kept reply returns that reply's leases first."""
+        if request_id < 1:
+            raise ValueError(f"lease_numbered: request_id = {request_id}, expected >= 1")
+        with self._lock:
+            actor = self._touch(actor_id)
+            reply = actor.last_reply
+            if reply is not None:
+                replayed = reply.replay(request_id, actor.lease_ids)
+                if replayed:
+                    self._count("lease_replies_replayed")
+                    return LeaseResult(replayed, reply.result.denial, reply.result.retry_after_s, self._version)
+                if reply.lost_by_lease(request_id, last_received_request_id):
+                    self._reclaim_reply_locked(actor)
+            # Unbound on purpose: a subclass that records grants sees fresh grants, not replays.
+            result = self.lease(actor_id, num_prompts, weight_version)
+            actor.last_reply = LeaseReply(request_id, result, self._clock()) if result.leases else None
+            return result
+
     def return_leases(self, actor_id: int, lease_ids: Sequence[int]) -> int:
         with self._lock:
             actor = self._touch(actor_id)
@@ -273,10 +258,14 @@ class Coordinator:
                     returned += 1
             return returned
 
-    def complete_lease(self, lease_id: int, actor_id: int, prompt_id: int) -> str:
+    def complete_lease(self, lease_id: int, actor_id: int, prompt_id: int, prompt_token_ids: np.ndarray,
+                       invalid: str = "", detail: str = "") -> str:
         """A group for this lease reached the queue. Returns '' when accepted (the prompt is now
         queued), else the drop reason: 'lease_not_active' (expired, re-issued, completed, or
-        never issued) or 'lease_mismatch' (prompt or actor differ from the lease)."""
+        never issued), 'lease_mismatch' (prompt or actor differ from the lease), or, for the
+        lease's own actor, a rejection that re-issues the prompt: ``invalid`` (the queue found the
+        group does not fit the run; ``detail`` says how) or 'prompt_mismatch' (the group's
+        prompt ids are not the leased prompt's)."""
         with self._lock:
             # No expiry pass here: a lease past its deadline but not yet re-issued is still the
             # only lease of its prompt, so accepting its group keeps exactly-once (and is cheap).
@@ -287,6 +276,15 @@ class Coordinator:
             if lease.prompt_id != prompt_id or lease.actor_id != actor_id:
                 self._count("groups_mismatched")
                 return "lease_mismatch"
+            if not invalid:
+                leased = np.asarray(self.source.get(prompt_id % self._num_rows)[0], dtype=np.int64)
+                if not np.array_equal(leased, prompt_token_ids):
+                    invalid = "prompt_mismatch"
+                    detail = (f"{len(prompt_token_ids)} prompt token ids that differ from the lease's "
+                              f"{len(leased)} (prompt {prompt_id})")
+            if invalid:
+                self._reject_locked(lease, invalid, detail)
+                return invalid
             self._end_lease_locked(lease)
             self._queued.add(prompt_id)
             actor = self._actors.get(actor_id)
@@ -330,13 +328,15 @@ class Coordinator:
             self._expire_locked()
             now = self._clock()
             return {
-                "run_id": self.run_id, "version": self._version, "epoch": self._epoch,
+                "run_id": self.run_id, "version": self._version, "epoch": self._cursor.epoch,
                 "active_leases": len(self._active), "pending_reissue": len(self._pending),
                 "queued_groups": len(self._queued), "trained_groups": len(self._trained),
                 "shutdown": self._shutdown,
                 "actors": [{"actor_id": a.actor_id, "name": a.name, "weight_version": a.weight_version,
                             "last_seen_age_s": now - a.last_seen_s, "active_leases": len(a.lease_ids),
-                            "counters": dict(a.counters), "capabilities": dict(a.capabilities)}
+                            "counters": dict(a.counters), "capabilities": dict(a.capabilities),
+                            "groups_rejected": sum(a.rejected.values()),
+                            "last_rejected_reason": a.last_rejected_reason}
                            for a in self._actors.values()],
                 "counters": dict(self._counters),
             }
@@ -356,7 +356,7 @@ class Coordinator:
         """
         with self._lock:
             states = (self._trained, self._filtered, list(self._pending), self._active_prompts, self._queued)
-            issued = self._issued_ids_locked()
+            issued = self._cursor.issued()
             accounted: set[int] = set().union(*states)
             return {
                 "issued": len(issued), "trained": len(self._trained), "filtered": len(self._filtered),
@@ -374,7 +374,7 @@ class Coordinator:
             active = sorted(lease.prompt_id for lease in self._active.values())
             return {
                 "format": STATE_FORMAT, "num_rows": self._num_rows, "seed": self.seed, "shuffle": self.shuffle,
-                "version": self._version, "epoch": self._epoch, "position": self._position,
+                "version": self._version, "epoch": self._cursor.epoch, "position": self._cursor.position,
                 "next_lease_id": self._next_lease_id,
                 "pending": sorted(self._queued) + active + list(self._pending),
                 "trained": sorted(self._trained), "filtered": sorted(self._filtered),
@@ -392,7 +392,9 @@ class Coordinator:
                     f"{self.shuffle}); resume with the same data.train_path and run.seed")
             if self._active or self._queued or self._trained:
                 raise RuntimeError("load_state_dict: call before any lease is issued")
-            self._version, self._epoch, self._position = state["version"], state["epoch"], state["position"]
+            self._version = state["version"]
+            self._cursor.epoch, self._cursor.position = state["epoch"], state["position"]
+            self._publishing = self._version
             self._next_lease_id = state["next_lease_id"]
             self._pending = deque(int(p) for p in state["pending"])
             self._trained = {int(p) for p in state["trained"]}
@@ -405,7 +407,7 @@ class Coordinator:
     def audit_state(cls, state: dict[str, Any]) -> dict[str, int]:
         """``audit()`` of a saved ``state_dict()`` (e.g. a checkpoint's run_state.json), no data needed.
         Its active leases and queued groups were saved as pending."""
-        coord = cls(_RowCount(int(state["num_rows"])), num_prompts_per_step=1, max_staleness_steps=0,
+        coord = cls(RowCount(int(state["num_rows"])), num_prompts_per_step=1, max_staleness_steps=0,
                     queue_max_groups=1, heartbeat_timeout_s=1.0, lease_timeout_s=1.0, seed=state["seed"],
                     shuffle=state["shuffle"])
         coord.load_state_dict(state)
@@ -448,22 +450,43 @@ class Coordinator:
         self._actors_changed.notify_all()
         return n
 
-    def _end_lease_locked(self, lease: _Lease) -> None:
+    def _end_lease_locked(self, lease: Lease) -> None:
         del self._active[lease.lease_id]
         self._active_prompts.discard(lease.prompt_id)
         actor = self._actors.get(lease.actor_id)
         if actor is not None:
             actor.lease_ids.discard(lease.lease_id)
 
-    def _reissue_locked(self, lease: _Lease, counter: str) -> None:
+    def _reissue_locked(self, lease: Lease, counter: str) -> None:
         self._end_lease_locked(lease)
         self._pending.append(lease.prompt_id)
         self._count(counter)
 
+    def _reclaim_reply_locked(self, actor: ActorInfo) -> None:
+        """The actor never received its kept Lease reply: those of its leases go back to pending."""
+        assert actor.last_reply is not None
+        for grant in actor.last_reply.result.leases:
+            if grant.lease_id in actor.lease_ids:
+                self._reissue_locked(self._active[grant.lease_id], "leases_returned_unreceived")
+        actor.last_reply = None
+
+    def _reject_locked(self, lease: Lease, reason: str, detail: str) -> None:
+        self._reissue_locked(lease, f"groups_rejected/{reason}")
+        actor = self._actors.get(lease.actor_id)
+        if actor is None:
+            return
+        actor.rejected[reason] = actor.rejected.get(reason, 0) + 1
+        actor.last_rejected_reason = reason
+        if actor.rejected[reason] == 1:  # once per reason and actor: a broken actor repeats itself
+            log.warning("replay queue: dropped a group of actor %r (id %d): %s: %s. Its prompt is re-issued; "
+                        "later drops of this actor for this reason are only counted (coordinator "
+                        "groups_rejected/%s). Does the actor run the learner's model and config?",
+                        actor.name, actor.actor_id, reason, detail, reason)
+
     def _grant_locked(self, actor: ActorInfo, prompt_id: int) -> LeaseGrant:
         token_ids, data_source, ground_truth = self.source.get(prompt_id % self._num_rows)
         assert prompt_id not in self._active_prompts and prompt_id not in self._queued, prompt_id
-        lease = _Lease(self._next_lease_id, prompt_id, actor.actor_id, self._clock())
+        lease = Lease(self._next_lease_id, prompt_id, actor.actor_id, self._clock())
         self._next_lease_id += 1
         self._active[lease.lease_id] = lease
         self._active_prompts.add(prompt_id)
@@ -471,29 +494,5 @@ class Coordinator:
         self._count("leases_issued")
         return LeaseGrant(lease.lease_id, prompt_id, [int(t) for t in token_ids], str(data_source), str(ground_truth))
 
-    def _permutation_locked(self) -> np.ndarray:
-        """Row order of the current epoch (a seeded permutation, cached)."""
-        if self._perm_epoch != self._epoch:
-            rng = np.random.default_rng([self.seed, self._epoch])
-            self._perm = rng.permutation(self._num_rows) if self.shuffle else np.arange(self._num_rows)
-            self._perm_epoch = self._epoch
-        return self._perm
-
-    def _issued_ids_locked(self) -> set[int]:
-        """Every prompt id the cursor has handed out: whole past epochs, then this epoch's prefix."""
-        issued = set(range(self._epoch * self._num_rows))
-        if self._position:
-            base = self._epoch * self._num_rows
-            issued.update(base + int(row) for row in self._permutation_locked()[:self._position])
-        return issued
-
     def _next_prompt_locked(self) -> int | None:
-        if self._pending:
-            return self._pending.popleft()
-        if self.max_epochs and self._epoch >= self.max_epochs:
-            return None
-        prompt_id = self._epoch * self._num_rows + int(self._permutation_locked()[self._position])
-        self._position += 1
-        if self._position == self._num_rows:
-            self._epoch, self._position = self._epoch + 1, 0
-        return prompt_id
+        return self._pending.popleft() if self._pending else self._cursor.next()

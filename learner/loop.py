@@ -150,6 +150,9 @@ def next_batch(cfg: DapoConfig, services: Rank0Services | None, stop: StopFlag,
 def publish(services: Rank0Services | None, state_dict: dict[str, torch.Tensor], version: int) -> dict[str, float]:
     if services is None:
         return {}
+    # Publishing makes `version` fetchable (and broadcasts it) before it is announced: from
+    # begin_publish on, actors that already hold it may lease and push; set_version announces it.
+    services.coordinator.begin_publish(version)
     out = services.publisher.publish(state_dict, version)
     services.coordinator.set_version(version)
     err = services.publisher.last_collective_error

@@ -2,7 +2,8 @@
 
 ```
  actors --ZMQ PUSH--> [PULL socket, RCVHWM] --receiver thread--> decode_group (auth, validate)
-                                                   │  run id, lease (coordinator.complete_lease),
+                                                   │  run id, fits the run (GroupLimits),
+                                                   │  lease + prompt ids (coordinator.complete_lease),
                                                    │  version sanity, dynamic-sampling filter
                                                    ▼
                        ReplayBuffer: deque of <= queue_max_groups decoded groups
@@ -13,11 +14,16 @@
 
 Every message is counted exactly once: accepted, or dropped with a reason (a ``WireError``
 reason, ``wrong_run``, ``lease_not_active``, ``lease_mismatch``, ``future_version``,
-``internal_error``) or filtered by dynamic sampling. Groups held at consumption that are older
-than k versions are dropped and their prompts re-issued (``stale_at_consumption``); the
-staleness of every consumed group goes into a histogram (``staleness/<k>``). One exception to
-"counted": a single frame larger than ``max_message_bytes`` never reaches us, since libzmq
-(MAXMSGSIZE) drops the sender's connection instead; that actor's lease then times out.
+``internal_error``, or one of ``GROUP_REJECTIONS``) or filtered by dynamic sampling. A group that
+decodes but does not fit the run (``GroupLimits``: the learner would crash on an out-of-vocabulary
+id, or train on the wrong shape) or whose prompt ids are not the lease's is rejected: its lease
+ends and the prompt is re-issued, so the learner never sees it and exactly once holds.
+
+Groups held at consumption that are older than k versions are dropped and their prompts
+re-issued (``stale_at_consumption``); the staleness of every consumed group goes into a
+histogram (``staleness/<k>``). One exception to "counted": a single frame larger than
+``max_message_bytes`` never reaches us, since libzmq (MAXMSGSIZE) drops the sender's connection
+instead; that actor's lease then times out.
 
 Memory is bounded three ways: the coordinator's lease credit (in flight + queued <
 queue_max_groups, so groups with an active lease never exceed it), the buffer's own cap (the
@@ -34,6 +40,7 @@ import logging
 import threading
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import zmq
@@ -49,14 +56,50 @@ RECEIVER_POLL_S = 0.05
 """How often the receiver thread checks for stop while idle, in seconds."""
 RECEIVE_BURST = 64
 """Messages handled per poll before checking for stop and buffer space again."""
+GROUP_REJECTIONS = ("group_size", "response_too_long", "token_out_of_vocab", "prompt_mismatch")
+"""Drop reasons of groups that decode but do not fit the run; their prompts are re-issued."""
+
+
+@dataclass(frozen=True)
+class GroupLimits:
+    """What a decoded group must fit to be trained on (the wire codec cannot know these)."""
+
+    vocab_size: int
+    """Token ids must lie below this: the model's vocabulary (embedding rows), not the tokenizer's."""
+    num_samples_per_prompt: int
+    """G of the run (algorithm.num_samples_per_prompt)."""
+    max_response_tokens: int
+    """Longest response, in tokens (actor.max_response_tokens)."""
+
+    def __post_init__(self) -> None:
+        if min(self.vocab_size, self.num_samples_per_prompt, self.max_response_tokens) < 1:
+            raise ValueError(f"GroupLimits: every limit must be >= 1, got {self}")
+
+    @classmethod
+    def from_config(cls, cfg: DapoConfig, vocab_size: int) -> "GroupLimits":
+        return cls(vocab_size, cfg.algorithm.num_samples_per_prompt, cfg.actor.max_response_tokens)
+
+    def violation(self, g: TrajectoryGroup) -> tuple[str, str]:
+        """('', '') when ``g`` fits, else (reason from GROUP_REJECTIONS, what was seen)."""
+        longest = int(g.response_lengths.max())
+        top = max(int(g.response_ids.max()), int(g.prompt_ids.max()))
+        if g.num_samples != self.num_samples_per_prompt:
+            return "group_size", f"G = {g.num_samples}, algorithm.num_samples_per_prompt = " \
+                                 f"{self.num_samples_per_prompt}"
+        if longest > self.max_response_tokens:
+            return "response_too_long", f"{longest} tokens, actor.max_response_tokens = {self.max_response_tokens}"
+        if top >= self.vocab_size:
+            return "token_out_of_vocab", f"token id {top}, the model's vocabulary has {self.vocab_size}"
+        return "", ""
 
 
 class ReplayBuffer:
     """Admission, holding and batching of decoded groups. Thread-safe."""
 
     def __init__(self, coordinator: Coordinator, *, num_groups_per_batch: int, max_staleness_steps: int,
-                 max_groups: int, dynamic_filter: DynamicSamplingFilter) -> None:
+                 max_groups: int, dynamic_filter: DynamicSamplingFilter, limits: GroupLimits) -> None:
         self.coordinator = coordinator
+        self.limits = limits
         self.num_groups_per_batch = num_groups_per_batch
         self.max_staleness_steps = max_staleness_steps
         self.max_groups = max_groups
@@ -103,14 +146,16 @@ class ReplayBuffer:
         coord = self.coordinator
         if group.run_id != coord.run_id:
             return self._drop("wrong_run")
-        reason = coord.complete_lease(group.lease_id, group.actor_id, group.prompt_id)
+        invalid, detail = self.limits.violation(group)
+        reason = coord.complete_lease(group.lease_id, group.actor_id, group.prompt_id, group.prompt_ids,
+                                      invalid, detail)
         if reason:
             return self._drop(reason)
         # From here the lease is complete and the prompt queued: every path must settle it.
         newest = int(group.versions.max())
         if group.version_changes.shape[0]:
             newest = max(newest, int(group.version_changes[:, 2].max()))
-        if newest > coord.version:
+        if newest > coord.newest_version:
             coord.requeue_stale(group.prompt_id)
             return self._drop("future_version")
         with self._cond:  # the filter's state is shared with take_batch
@@ -147,8 +192,7 @@ class ReplayBuffer:
                     if self.coordinator.version - group.min_version > self.max_staleness_steps:
                         self.coordinator.requeue_stale(group.prompt_id)
                         self.count("dropped/stale_at_consumption")
-                        # keep the filter's "kept, not yet batched" count equal to what is held
-                        self.filter.pending_groups -= 1
+                        self.filter.unkeep()  # kept, but never batched: not pending, not in the stats
                         self._cond.notify_all()
                         continue
                     batch.append(group)
@@ -214,8 +258,9 @@ class ReplayBuffer:
 class ReplayQueue:
     """The replay queue service: a bound PULL socket, a receiver thread and a ReplayBuffer."""
 
-    def __init__(self, cfg: DapoConfig, coordinator: Coordinator, *,
+    def __init__(self, cfg: DapoConfig, coordinator: Coordinator, *, vocab_size: int,
                  dynamic_filter: DynamicSamplingFilter | None = None) -> None:
+        """``vocab_size``: the model's vocabulary size (its embedding rows), for GroupLimits."""
         t, a = cfg.transport, cfg.algorithm
         self.auth_token = t.auth_token
         self.max_message_bytes = t.max_message_bytes
@@ -224,8 +269,8 @@ class ReplayQueue:
         self.rpc_timeout_s = t.rpc_timeout_s
         self.buffer = ReplayBuffer(
             coordinator, num_groups_per_batch=a.num_prompts_per_step, max_staleness_steps=a.max_staleness_steps,
-            max_groups=t.queue_max_groups,
-            dynamic_filter=dynamic_filter or DynamicSamplingFilter.from_config(a))
+            max_groups=t.queue_max_groups, dynamic_filter=dynamic_filter or DynamicSamplingFilter.from_config(a),
+            limits=GroupLimits.from_config(cfg, vocab_size))
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._thread: threading.Thread | None = None

@@ -26,7 +26,8 @@ from typing import Any, Callable, Iterator, Protocol
 import grpc
 
 from dapo.config import DapoConfig
-from learner.coordinator import LEASE_DENIALS, Coordinator, UnknownActor
+from learner.coordinator import Coordinator
+from learner.leases import LEASE_DENIALS, UnknownActor
 from protos import AUTH_METADATA_KEY
 from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc
@@ -206,15 +207,26 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         _require(request.weight_version >= 0, f"weight_version = {request.weight_version}, expected >= 0")
+        _require(request.last_received_lease_request_id >= 0, "last_received_lease_request_id must be >= 0")
         counters = {f.name: int(getattr(request.counters, f.name)) for f in pb.ActorCounters.DESCRIPTOR.fields}
-        version, shutdown = self.coordinator.heartbeat(request.actor_id, request.weight_version, counters)
-        return pb.HeartbeatResponse(latest_version=version, shutdown=shutdown)
+        reply = self.coordinator.heartbeat(request.actor_id, request.weight_version, counters,
+                                           lease_ack=request.last_received_lease_request_id)
+        return pb.HeartbeatResponse(latest_version=reply.latest_version, shutdown=reply.shutdown,
+                                    groups_rejected=reply.groups_rejected,
+                                    last_rejected_reason=reply.last_rejected_reason)
 
     def Lease(self, request: pb.LeaseRequest, context: grpc.ServicerContext) -> pb.LeaseResponse:
         _require(1 <= request.num_prompts <= MAX_PROMPTS_PER_LEASE,
                  f"num_prompts = {request.num_prompts}, expected 1..{MAX_PROMPTS_PER_LEASE}")
         _require(request.weight_version >= 0, f"weight_version = {request.weight_version}, expected >= 0")
-        result = self.coordinator.lease(request.actor_id, request.num_prompts, request.weight_version)
+        _require(request.request_id >= 0 and request.last_received_request_id >= 0,
+                 "request_id and last_received_request_id must be >= 0")
+        if request.request_id:
+            result = self.coordinator.lease_numbered(request.actor_id, request.num_prompts, request.weight_version,
+                                                     request_id=request.request_id,
+                                                     last_received_request_id=request.last_received_request_id)
+        else:
+            result = self.coordinator.lease(request.actor_id, request.num_prompts, request.weight_version)
         return pb.LeaseResponse(
             leases=[pb.PromptLease(lease_id=g.lease_id, prompt_id=g.prompt_id, prompt_token_ids=g.prompt_token_ids,
                                    data_source=g.data_source, ground_truth=g.ground_truth) for g in result.leases],
@@ -242,7 +254,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         actors = [pb.ActorStatus(actor_id=a["actor_id"], actor_name=a["name"], weight_version=a["weight_version"],
                                  last_seen_age_s=a["last_seen_age_s"], active_leases=a["active_leases"],
                                  counters=pb.ActorCounters(**a["counters"]),
-                                 capabilities=pb.Capabilities(**a["capabilities"]))
+                                 capabilities=pb.Capabilities(**a["capabilities"]),
+                                 groups_rejected=a["groups_rejected"], last_rejected_reason=a["last_rejected_reason"])
                   for a in st["actors"]]
         return pb.StatusResponse(run_id=st["run_id"], version=st["version"], actors=actors,
                                  queue_depth_groups=queue_depth, active_leases=st["active_leases"],

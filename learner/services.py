@@ -29,7 +29,7 @@ def start_services(cfg: DapoConfig, model_path: Path, run_state: dict,
                    device: torch.device = torch.device("cpu")) -> loop.Rank0Services:
     """Start everything rank 0 serves; ``run_state`` comes from a checkpoint (resume; {} when
     fresh); ``device`` is rank 0's training device (it decides the collective weight path's backend)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from dapo.data import build_dataset
     from learner.coordinator import Coordinator
@@ -43,7 +43,10 @@ def start_services(cfg: DapoConfig, model_path: Path, run_state: dict,
     coordinator = Coordinator.from_config(cfg, _Source(prompts))
     if "coordinator" in run_state:
         coordinator.load_state_dict(run_state["coordinator"])
-    replay = ReplayQueue(cfg, coordinator)
+    # The model's vocabulary (embedding rows; may exceed the tokenizer's): a token id at or past it
+    # would crash the learner's log-prob gather, so the queue rejects such groups.
+    vocab_size = AutoConfig.from_pretrained(model_path).get_text_config().vocab_size
+    replay = ReplayQueue(cfg, coordinator, vocab_size=vocab_size)
     if "replay" in run_state:  # absent on a fresh start
         replay.buffer.load_state_dict(run_state["replay"])
     publisher = WeightPublisher(

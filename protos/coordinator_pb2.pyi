@@ -107,32 +107,42 @@ class ActorCounters(_message.Message):
     def __init__(self, groups_pushed: _Optional[int] = ..., samples_generated: _Optional[int] = ..., tokens_generated: _Optional[int] = ..., verifier_errors: _Optional[int] = ..., weight_loads: _Optional[int] = ..., push_failures: _Optional[int] = ..., idle_ms: _Optional[int] = ..., uptime_ms: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("actor_id", "weight_version", "counters")
+    __slots__ = ("actor_id", "weight_version", "counters", "last_received_lease_request_id")
     ACTOR_ID_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    LAST_RECEIVED_LEASE_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     actor_id: int
     weight_version: int
     counters: ActorCounters
-    def __init__(self, actor_id: _Optional[int] = ..., weight_version: _Optional[int] = ..., counters: _Optional[_Union[ActorCounters, _Mapping]] = ...) -> None: ...
+    last_received_lease_request_id: int
+    def __init__(self, actor_id: _Optional[int] = ..., weight_version: _Optional[int] = ..., counters: _Optional[_Union[ActorCounters, _Mapping]] = ..., last_received_lease_request_id: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("latest_version", "shutdown")
+    __slots__ = ("latest_version", "shutdown", "groups_rejected", "last_rejected_reason")
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
     SHUTDOWN_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    LAST_REJECTED_REASON_FIELD_NUMBER: _ClassVar[int]
     latest_version: int
     shutdown: bool
-    def __init__(self, latest_version: _Optional[int] = ..., shutdown: _Optional[bool] = ...) -> None: ...
+    groups_rejected: int
+    last_rejected_reason: str
+    def __init__(self, latest_version: _Optional[int] = ..., shutdown: _Optional[bool] = ..., groups_rejected: _Optional[int] = ..., last_rejected_reason: _Optional[str] = ...) -> None: ...
 
 class LeaseRequest(_message.Message):
-    __slots__ = ("actor_id", "num_prompts", "weight_version")
+    __slots__ = ("actor_id", "num_prompts", "weight_version", "request_id", "last_received_request_id")
     ACTOR_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_RECEIVED_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     actor_id: int
     num_prompts: int
     weight_version: int
-    def __init__(self, actor_id: _Optional[int] = ..., num_prompts: _Optional[int] = ..., weight_version: _Optional[int] = ...) -> None: ...
+    request_id: int
+    last_received_request_id: int
+    def __init__(self, actor_id: _Optional[int] = ..., num_prompts: _Optional[int] = ..., weight_version: _Optional[int] = ..., request_id: _Optional[int] = ..., last_received_request_id: _Optional[int] = ...) -> None: ...
 
 class PromptLease(_message.Message):
     __slots__ = ("lease_id", "prompt_id", "prompt_token_ids", "data_source", "ground_truth")
@@ -191,7 +201,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ActorStatus(_message.Message):
-    __slots__ = ("actor_id", "actor_name", "weight_version", "last_seen_age_s", "active_leases", "counters", "capabilities")
+    __slots__ = ("actor_id", "actor_name", "weight_version", "last_seen_age_s", "active_leases", "counters", "capabilities", "groups_rejected", "last_rejected_reason")
     ACTOR_ID_FIELD_NUMBER: _ClassVar[int]
     ACTOR_NAME_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +209,8 @@ class ActorStatus(_message.Message):
     ACTIVE_LEASES_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    LAST_REJECTED_REASON_FIELD_NUMBER: _ClassVar[int]
     actor_id: int
     actor_name: str
     weight_version: int
@@ -206,7 +218,9 @@ class ActorStatus(_message.Message):
     active_leases: int
     counters: ActorCounters
     capabilities: Capabilities
-    def __init__(self, actor_id: _Optional[int] = ..., actor_name: _Optional[str] = ..., weight_version: _Optional[int] = ..., last_seen_age_s: _Optional[float] = ..., active_leases: _Optional[int] = ..., counters: _Optional[_Union[ActorCounters, _Mapping]] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ...) -> None: ...
+    groups_rejected: int
+    last_rejected_reason: str
+    def __init__(self, actor_id: _Optional[int] = ..., actor_name: _Optional[str] = ..., weight_version: _Optional[int] = ..., last_seen_age_s: _Optional[float] = ..., active_leases: _Optional[int] = ..., counters: _Optional[_Union[ActorCounters, _Mapping]] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ..., groups_rejected: _Optional[int] = ..., last_rejected_reason: _Optional[str] = ...) -> None: ...
 
 class StatusResponse(_message.Message):
     __slots__ = ("run_id", "version", "actors", "queue_depth_groups", "active_leases", "pending_reissue", "epoch", "counters")

@@ -52,7 +52,7 @@ def main() -> int:
     args = parser.parse_args()
 
     from safetensors.torch import load_file
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from dapo.config import load_config
     from dapo.tiny import resolve_model_path
@@ -86,7 +86,7 @@ def main() -> int:
                                 chunk_bytes=t.weight_chunk_bytes, timeout_s=t.rpc_timeout_s,
                                 collective_port=t.collective_port if t.weight_path == "collective" else None)
     publisher.publish(state, 0)
-    queue = ReplayQueue(cfg, coordinator)
+    queue = ReplayQueue(cfg, coordinator, vocab_size=AutoConfig.from_pretrained(path).get_text_config().vocab_size)
     server = CoordinatorServer(cfg, coordinator, zmq_endpoint=queue.start(), queue=queue, weight_source=publisher)
     address = server.start()
     stop = threading.Event()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -120,6 +121,7 @@ def test_full_buffer_pushes_back_through_zmq_high_water_marks() -> None:
     """Second line of defence: with the buffer full, the receiver stops reading, ZMQ queues fill
     and the sender's send times out; the buffer never exceeds its cap, and drains afterwards."""
     cfg = make_cfg(transport=dict(queue_max_groups=4), num_prompts_per_step=4, max_staleness_steps=100)
+    cfg.actor = dataclasses.replace(cfg.actor, max_response_tokens=2000)  # the groups below are that long
     learner = Learner(cfg, 1000)
     # Bypass lease credit: this coordinator grants far more than the buffer holds.
     learner.coordinator.queue_max_groups = 10_000
@@ -285,5 +287,128 @@ def test_curve_encrypted_queue_accepts_a_curve_client() -> None:
     finally:
         push.close(linger=0)
         ctx.term()
+        client.close()
+        learner.close()
+
+
+class _ReplyLost(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return "the reply was lost on its way back (test)"
+
+
+class LoseLeaseReplies(grpc.UnaryUnaryClientInterceptor):
+    """Lets the first ``n`` Lease calls reach the coordinator (which grants), then loses their replies."""
+
+    def __init__(self, n: int) -> None:
+        self.left = n
+
+    def intercept_unary_unary(self, continuation, details, request):
+        outcome = continuation(details, request)
+        method = details.method.decode() if isinstance(details.method, bytes) else details.method
+        if method.endswith("/Lease") and self.left:
+            outcome.result()  # the coordinator has answered
+            self.left -= 1
+            raise _ReplyLost()
+        return outcome
+
+
+@pytest.mark.timeout(60)
+def test_an_actors_lease_retry_after_a_lost_reply_gets_the_granted_leases() -> None:
+    """The actor's client (actors/client.py) over real gRPC: the coordinator grants, the reply is
+    lost, the client raises LearnerUnavailable and the loop calls Lease again. At k = 0 that retry
+    used to be denied (staleness_bound) for lease_timeout_s; it now gets the same leases, and a
+    heartbeat acknowledges them so they are kept while the actor generates."""
+    from actors.client import CoordinatorClient as ActorClient
+    from actors.client import LearnerUnavailable
+
+    cfg = make_cfg(num_prompts_per_step=2, max_staleness_steps=0, transport=dict(heartbeat_timeout_s=10.0))
+    now = [0.0]
+    learner = Learner(cfg, 100, clock=lambda: now[0])  # the coordinator's time, moved by hand
+    client = ActorClient(learner.target, TOKEN, 5.0, max_message_bytes=1 << 20, reconnect_backoff_max_s=1.0)
+    client.stub = pb_grpc.CoordinatorStub(grpc.intercept_channel(client._channel, LoseLeaseReplies(1)))
+    try:
+        actor = client.call("Register", pb.RegisterRequest(actor_name="retrier")).actor_id
+
+        def lease(weight_version: int = 0) -> pb.LeaseResponse:  # as actors/loop.py sends it: unnumbered
+            return client.call("Lease", pb.LeaseRequest(actor_id=actor, num_prompts=2, weight_version=weight_version))
+
+        with pytest.raises(LearnerUnavailable, match="DEADLINE_EXCEEDED"):
+            lease()
+        assert learner.coordinator.status()["active_leases"] == 2  # granted, reply lost
+        retry = lease()
+        assert len(retry.leases) == 2 and retry.denial == pb.LEASE_DENIAL_UNSPECIFIED
+        counters = learner.coordinator.counters()
+        assert counters["leases_issued"] == 2 and counters["lease_replies_replayed"] == 1
+        for _ in range(3):  # generating past the heartbeat timeout: the acknowledgement keeps the leases
+            now[0] += 6.0
+            client.call("Heartbeat", pb.HeartbeatRequest(actor_id=actor, weight_version=0))
+        assert learner.coordinator.status()["active_leases"] == 2
+        assert "leases_returned_unreceived" not in learner.coordinator.counters()
+        push_and_train(learner, actor, retry.leases)
+        assert len(lease(weight_version=1).leases) == 2  # the next step (numbered 2, acknowledging 1)
+    finally:
+        client.close()
+        learner.close()
+
+
+def push_and_train(learner: Learner, actor: int, leases, spoil=None) -> list:
+    """Push a group per lease (the first spoiled, if asked) and wait until the queue has handled
+    them all; then, unless spoiled, train on them."""
+    def handled(c: dict[str, int]) -> int:
+        return sum(v for k, v in c.items() if k.startswith("dropped/") or k == "accepted")
+
+    before = handled(learner.queue.buffer.counts)
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.connect(learner.queue.endpoint)
+    try:
+        for i, lease in enumerate(leases):
+            group = make_group(learner.coordinator.run_id, actor, lease, learner.coordinator.version)
+            if spoil is not None and i == 0:
+                group = spoil(group)
+            push.send_multipart(encode_group(group, TOKEN))
+        assert learner.queue.buffer.wait_until(lambda c: handled(c) >= before + len(leases), 10), \
+            learner.queue.counters()
+    finally:
+        push.close(linger=0)
+        ctx.term()
+    if spoil is not None:
+        return []
+    return train_until(learner, len(leases), timeout_s=10)
+
+
+@pytest.mark.timeout(60)
+def test_an_out_of_vocabulary_token_is_rejected_before_the_learner_and_the_actor_is_told() -> None:
+    """An authenticated actor pushes a group with response_ids[0] = 10**9: it used to pass the
+    queue and crash Trainer.logprobs (IndexError). It is dropped (dropped/token_out_of_vocab), its
+    prompt goes to the next lease, and the actor's heartbeat reply says why."""
+    cfg = make_cfg(num_prompts_per_step=2, max_staleness_steps=0)
+    learner = Learner(cfg, 100)
+    client = CoordinatorClient(learner.target, TOKEN, timeout_s=5)
+
+    def spoil(group: TrajectoryGroup) -> TrajectoryGroup:
+        ids = group.response_ids.copy()
+        ids[0] = 10**9
+        return dataclasses.replace(group, response_ids=ids)
+
+    try:
+        actor = client.register("vocab").actor_id
+        leases = client.lease(actor, 2, 0).leases
+        push_and_train(learner, actor, leases, spoil=spoil)
+        counts = learner.queue.counters()
+        assert counts["dropped/token_out_of_vocab"] == 1 and counts["accepted"] == 1
+        hb = client.heartbeat(actor, 0)
+        assert (hb.groups_rejected, hb.last_rejected_reason) == (1, "token_out_of_vocab")
+        status = client.status()
+        assert [(a.groups_rejected, a.last_rejected_reason) for a in status.actors] == [(1, "token_out_of_vocab")]
+        again = client.lease(actor, 2, 0).leases
+        assert [lease.prompt_id for lease in again] == [leases[0].prompt_id]
+        trained = push_and_train(learner, actor, again)
+        assert sorted(trained) == sorted(lease.prompt_id for lease in leases)
+        assert learner.coordinator.trained_prompt_ids() == set(trained)
+    finally:
         client.close()
         learner.close()

@@ -18,6 +18,8 @@ from learner.service import CoordinatorServer
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "test-token"
+VOCAB_SIZE = 128
+"""The queue's vocabulary: TinySource prompts and the simulated actors' tokens lie below 100."""
 
 
 class TinySource:
@@ -49,7 +51,7 @@ class Learner:
     def __init__(self, cfg: DapoConfig, num_prompts: int, **coordinator_kw: Any) -> None:
         self.cfg = cfg
         self.coordinator = Coordinator.from_config(cfg, TinySource(num_prompts), **coordinator_kw)
-        self.queue = ReplayQueue(cfg, self.coordinator)
+        self.queue = ReplayQueue(cfg, self.coordinator, vocab_size=VOCAB_SIZE)
         endpoint = self.queue.start()
         self.server = CoordinatorServer(cfg, self.coordinator, zmq_endpoint=endpoint, queue=self.queue)
         self.target = self.server.start()

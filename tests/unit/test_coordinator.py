@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from dapo.algorithm import DynamicSamplingFilter
 from dapo.wire import TrajectoryGroup
 from learner.coordinator import Coordinator, UnknownActor
-from learner.replay import ReplayBuffer
+from learner.replay import GroupLimits, ReplayBuffer
 
 
 class TinySource:
@@ -52,9 +52,11 @@ def make_group(coord: Coordinator, grant, actor_id: int, version: int, acc=(1.0,
 
 
 def make_buffer(coord: Coordinator, max_groups: int = 100, enabled: bool = True) -> ReplayBuffer:
+    """Groups of make_group fit: G = 2, 2 tokens per response, ids below 1024 (TinySource rows)."""
     return ReplayBuffer(coord, num_groups_per_batch=coord.num_prompts_per_step,
                         max_staleness_steps=coord.max_staleness_steps, max_groups=max_groups,
-                        dynamic_filter=DynamicSamplingFilter(coord.num_prompts_per_step, 0, enabled=enabled))
+                        dynamic_filter=DynamicSamplingFilter(coord.num_prompts_per_step, 0, enabled=enabled),
+                        limits=GroupLimits(vocab_size=1024, num_samples_per_prompt=2, max_response_tokens=8))
 
 
 def test_prompt_ids_are_unique_across_epochs_and_map_to_rows() -> None:
@@ -187,7 +189,7 @@ def test_shutdown_drain_returns_when_the_last_actor_leaves_or_is_expired() -> No
     a = coord.register("a")
     coord.register("b")  # goes silent
     coord.request_shutdown()
-    assert coord.heartbeat(a, 0) == (0, True)
+    assert coord.heartbeat(a, 0)[:2] == (0, True)
     assert coord.wait_for_actors_to_leave(0.0) == 2  # no time: both still registered
     coord.leave(a)
     clock.t += 11  # b went silent past heartbeat_timeout_s: the drain expires it instead of waiting
@@ -279,6 +281,142 @@ def test_state_dict_turns_active_and_queued_into_pending() -> None:
         make(n_rows=21).load_state_dict(state)
 
 
+def test_lease_budget_counts_from_the_asking_actors_weights() -> None:
+    """Slots are (min(version, the actor's weights) + k + 1) * N minus those in use: an actor a
+    version behind gets only the slots that are fresh for its own version."""
+    coord = make(N=2, k=1)
+    coord.set_version(1)
+    behind, current = coord.register("behind"), coord.register("current")
+    first = coord.lease(behind, 10, 0)
+    assert len(first.leases) == 4 and first.denial == "staleness_bound"  # (0 + 1 + 1) * 2
+    rest = coord.lease(current, 10, 1)
+    assert len(rest.leases) == 2 and rest.denial == "staleness_bound"  # (1 + 1 + 1) * 2 - 4
+
+
+# ---------------------------------------------------------------- numbered (idempotent) Lease
+
+
+def lease_n(coord: Coordinator, actor: int, request_id: int, received: int, n: int = 2, version: int = 0):
+    return coord.lease_numbered(actor, n, version, request_id=request_id, last_received_request_id=received)
+
+
+def test_a_retry_of_a_lost_lease_reply_gets_the_same_leases_and_the_k0_run_goes_on() -> None:
+    """The review's stall: at k = 0 the leases of a lost reply hold every slot, so 120 later
+    (heartbeat, lease) rounds were all denied. The retry carries the lost call's number and gets
+    those leases back; nothing is issued twice and the next step leases normally."""
+    clock = Clock()
+    coord = make(N=2, k=0, clock=clock)
+    buf = make_buffer(coord)
+    a = coord.register("a")
+    lost = lease_n(coord, a, 1, 0).leases  # granted; the reply never arrives
+    clock.t += 5
+    coord.heartbeat(a, 0, lease_ack=0)
+    retry = lease_n(coord, a, 1, 0)
+    assert [(g.lease_id, g.prompt_id) for g in retry.leases] == [(g.lease_id, g.prompt_id) for g in lost]
+    assert retry.denial == "" and retry.latest_version == 0
+    counters = coord.counters()
+    assert counters["leases_issued"] == 2 and counters["lease_replies_replayed"] == 1
+    assert not any(k.startswith("lease_denied/") for k in counters)
+    for _ in range(60):  # generating for 6 heartbeat timeouts: acknowledged, nothing reclaimed
+        clock.t += 1
+        coord.heartbeat(a, 0, lease_ack=1)
+    assert [buf.admit(make_group(coord, g, a, 0)) for g in retry.leases] == ["", ""]
+    assert sorted(g.prompt_id for g in buf.take_batch(0)) == sorted(g.prompt_id for g in lost)
+    coord.set_version(1)
+    assert len(lease_n(coord, a, 2, 1, version=1).leases) == 2
+    assert coord.audit()["lost"] == 0 and "leases_returned_unreceived" not in coord.counters()
+
+
+def test_a_new_request_that_missed_the_last_reply_returns_its_leases_first() -> None:
+    """The actor gave up retrying: its next call has a new number and says it last received
+    nothing, so the lost reply's leases go back to pending and are granted again (new lease ids);
+    a group for a lost lease id is dropped."""
+    coord = make(N=2, k=0)
+    buf = make_buffer(coord)
+    a = coord.register("a")
+    lost = lease_n(coord, a, 1, 0).leases
+    fresh = lease_n(coord, a, 2, 0)
+    assert sorted(g.prompt_id for g in fresh.leases) == sorted(g.prompt_id for g in lost)
+    assert {g.lease_id for g in fresh.leases}.isdisjoint({g.lease_id for g in lost})
+    assert coord.counters()["leases_returned_unreceived"] == 2
+    assert buf.admit(make_group(coord, lost[0], a, 0)) == "lease_not_active"
+    # A call that acknowledges the previous reply keeps its leases: here every slot stays taken.
+    assert lease_n(coord, a, 3, 2).denial == "staleness_bound"
+    assert coord.counters()["leases_returned_unreceived"] == 2 and coord.status()["active_leases"] == 2
+
+
+def test_heartbeats_return_an_unreceived_reply_within_a_heartbeat_timeout() -> None:
+    """An actor that stops asking still heartbeats: a reply its heartbeats do not acknowledge is
+    reclaimed once older than heartbeat_timeout_s (10 s here); an acknowledged one is kept however
+    long the actor generates."""
+    clock = Clock()
+    coord = make(N=4, k=0, clock=clock)
+    lost_to, receiver, other = coord.register("lost"), coord.register("received"), coord.register("other")
+    lost = lease_n(coord, lost_to, 1, 0).leases
+    kept = lease_n(coord, receiver, 1, 0).leases
+    for second in range(1, 31):
+        clock.t += 1
+        coord.heartbeat(lost_to, 0, lease_ack=0)
+        coord.heartbeat(receiver, 0, lease_ack=1)
+        coord.heartbeat(other, 0, lease_ack=0)  # numbers nothing: no reply of its own to reclaim
+        if second == 10:
+            assert coord.status()["active_leases"] == 4  # not older than the heartbeat timeout yet
+    assert coord.counters()["leases_returned_unreceived"] == 2
+    regranted = coord.lease(other, 4, 0)
+    assert sorted(g.prompt_id for g in regranted.leases) == sorted(g.prompt_id for g in lost)
+    assert {lease["name"]: lease["active_leases"] for lease in coord.status()["actors"]} == {
+        "lost": 0, "received": 2, "other": 2}
+    assert len(kept) == 2 and coord.audit()["lost"] == 0
+
+
+def test_unnumbered_leases_keep_the_old_behaviour() -> None:
+    coord = make(N=2, k=0)
+    a = coord.register("a")
+    assert len(coord.lease(a, 2, 0).leases) == 2
+    assert coord.lease(a, 2, 0).denial == "staleness_bound"  # nothing replayed, nothing reclaimed
+    coord.heartbeat(a, 0, lease_ack=0)
+    assert "leases_returned_unreceived" not in coord.counters() and "lease_replies_replayed" not in coord.counters()
+
+
+def test_weights_fetchable_before_the_version_is_announced_are_leased_and_admitted(tmp_path, monkeypatch) -> None:
+    """learner.loop.publish: weights v become fetchable (and are broadcast) before the
+    coordinator announces v. An actor that gets them in that window (it registered, or is a
+    collective member) leases with v and pushes groups of v: not refused as weights_too_old
+    (retry 0: it would spin on Lease), not dropped as future_version."""
+    import torch
+
+    from learner import loop
+    from learner.publisher import WeightPublisher
+
+    coord = make(N=2, k=0)
+    buf = make_buffer(coord)
+    publisher = WeightPublisher(host="127.0.0.1", side_channel_port=0, auth_token="t", chunk_bytes=1 << 16,
+                                timeout_s=5.0)
+    actor = coord.register("a")
+    seen: list = []
+    put = publisher.store.put
+
+    def put_then_fetch(flat, manifest) -> None:  # the instant the version becomes fetchable
+        put(flat, manifest)
+        fetched = publisher.info().version
+        result = coord.lease(actor, 1, fetched)
+        seen.append((fetched, result.latest_version, result.denial, result.retry_after_s))
+        if result.leases:
+            seen.append(buf.admit(make_group(coord, result.leases[0], actor, fetched)))
+        seen.append(coord.lease(actor, 1, fetched + 1).denial)  # weights no one published
+
+    monkeypatch.setattr(publisher.store, "put", put_then_fetch)
+    services = loop.Rank0Services(coord, None, publisher, None, tmp_path / "audit.jsonl")
+    try:
+        loop.publish(services, {"w": torch.zeros(4)}, 0)  # the initial weights
+        loop.publish(services, {"w": torch.ones(4)}, 1)
+    finally:
+        publisher.close()
+    assert seen == [(0, 0, "", 0.0), "", "weights_too_old",
+                    (1, 0, "", 0.0), "", "weights_too_old"]
+    assert coord.version == 1 and buf.depth == 2
+
+
 # Weighted: actors mostly lease and finish (out of order), sometimes lag on weights, rarely die.
 OPS = ["lease"] * 4 + ["finish"] * 6 + ["sync"] + ["train"] * 3 + ["leave", "expire"]
 
@@ -288,24 +426,39 @@ OPS = ["lease"] * 4 + ["finish"] * 6 + ["sync"] + ["train"] * 3 + ["leave", "exp
 @given(ops=st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 1 << 16)), min_size=20, max_size=200))
 def test_staleness_bound_and_exactly_once_over_random_interleavings(k: int, ops) -> None:
     """Property: no consumed group is older than k; no prompt is trained twice; every leased
-    prompt ends up trained, filtered, or still owned by the coordinator (none lost)."""
+    prompt ends up trained, filtered, or still owned by the coordinator (none lost). Lease calls
+    are mostly numbered, and some replies are lost: the actor then retries or gives up."""
     clock = Clock()
     N = 3
     coord = make(n_rows=50, N=N, k=k, queue=8, clock=clock)
     buf = make_buffer(coord, max_groups=8)
     actors = {coord.register(f"a{i}"): 0 for i in range(3)}  # actor id -> weight version
     generating: list[tuple[int, object, int]] = []  # (actor id, grant, generation version)
+    numbers: dict[int, list[int]] = {}  # actor id -> [last number used, unanswered, last received]
     leased, trained, filtered = set(), [], set()
     for op, r in ops:
         ids = sorted(actors)
         actor = ids[r % len(ids)]
         if op == "lease":
+            used = numbers.setdefault(actor, [0, 0, 0])
+            if not used[1] or (r >> 3) % 2:  # a new call, or the actor gave up retrying the last
+                used[0] += 1
+                used[1] = used[0]
             try:
-                for grant in coord.lease(actor, 1 + r % 3, actors[actor]).leases:
-                    leased.add(grant.prompt_id)
-                    generating.append((actor, grant, actors[actor]))
+                if r % 11 == 0:
+                    result = coord.lease(actor, 1 + r % 3, actors[actor])
+                else:
+                    result = coord.lease_numbered(actor, 1 + r % 3, actors[actor], request_id=used[1],
+                                                  last_received_request_id=used[2])
             except UnknownActor:
                 actors[coord.register("again")] = actors.pop(actor)
+                continue
+            if (r >> 4) % 4 == 0 and r % 11:  # the reply is lost on its way back
+                continue
+            used[1], used[2] = 0, used[1] if r % 11 else used[2]
+            for grant in result.leases:
+                leased.add(grant.prompt_id)
+                generating.append((actor, grant, actors[actor]))
         elif op == "finish" and generating:
             actor_id, grant, version = generating.pop(r % len(generating))
             changes = [(0, 1, version + 1)] if r % 5 == 0 and version < coord.version else []
@@ -329,7 +482,7 @@ def test_staleness_bound_and_exactly_once_over_random_interleavings(k: int, ops)
         elif op == "expire":
             clock.t += 6
             try:
-                coord.heartbeat(actor, actors[actor])  # the others fall silent
+                coord.heartbeat(actor, actors[actor], lease_ack=numbers.get(actor, [0, 0, 0])[2])  # others fall silent
             except UnknownActor:
                 pass
             clock.t += 6
@@ -340,6 +493,8 @@ def test_staleness_bound_and_exactly_once_over_random_interleavings(k: int, ops)
     owned = set(coord.state_dict()["pending"])
     assert leased <= set(trained) | filtered | owned, "a leased prompt was lost"
     assert not (set(trained) & owned) and not (filtered & owned)
+    audit = coord.audit()
+    assert (audit["lost"], audit["duplicates"], audit["unknown"]) == (0, 0, 0), audit
 
 
 def test_in_order_completion_drops_nothing_at_consumption() -> None:

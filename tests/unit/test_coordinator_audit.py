@@ -8,7 +8,7 @@ import json
 import numpy as np
 
 from learner.coordinator import Coordinator
-from learner.replay import ReplayBuffer
+from learner.replay import GroupLimits, ReplayBuffer
 from dapo.algorithm import DynamicSamplingFilter
 from dapo.wire import TrajectoryGroup
 
@@ -32,6 +32,9 @@ class Clock:
         return self.t
 
 
+LIMITS = GroupLimits(vocab_size=100, num_samples_per_prompt=2, max_response_tokens=8)
+
+
 def make(n_rows: int = 6, clock: Clock | None = None) -> Coordinator:
     return Coordinator(Rows(n_rows), num_prompts_per_step=2, max_staleness_steps=100, queue_max_groups=100,
                        heartbeat_timeout_s=5.0, lease_timeout_s=1000.0, clock=clock or Clock())
@@ -52,7 +55,7 @@ def test_every_state_is_counted_and_nothing_is_lost_across_epochs_and_a_dead_act
     clock = Clock()
     coord = make(n_rows=6, clock=clock)
     buf = ReplayBuffer(coord, num_groups_per_batch=2, max_staleness_steps=100, max_groups=100,
-                       dynamic_filter=DynamicSamplingFilter(2, 0))
+                       dynamic_filter=DynamicSamplingFilter(2, 0), limits=LIMITS)
     a, b = coord.register("a"), coord.register("b")
     grants = coord.lease(a, 8, 0).leases  # 8 > 6 rows: the cursor enters epoch 1
     assert [g.prompt_id // 6 for g in grants] == [0] * 6 + [1] * 2
@@ -90,7 +93,7 @@ def test_a_leaked_a_duplicated_and_a_foreign_prompt_are_reported() -> None:
 def test_old_checkpoints_without_filtered_report_the_filtered_prompts_as_lost() -> None:
     coord = make()
     buf = ReplayBuffer(coord, num_groups_per_batch=2, max_staleness_steps=100, max_groups=100,
-                       dynamic_filter=DynamicSamplingFilter(2, 0))
+                       dynamic_filter=DynamicSamplingFilter(2, 0), limits=LIMITS)
     actor = coord.register("a")
     grant = coord.lease(actor, 1, 0).leases[0]
     buf.admit(group(coord, grant, actor, (0.0, 0.0)))
