@@ -179,7 +179,10 @@ class ActorConfig:
     """A verifier call that runs longer scores -1 and counts an error."""
     reward_fn: str = "dapo.rewards:score"
     """``module:function`` that scores one response, ``fn(data_source, response_text, ground_truth)
-    -> (reward, acc, pred)``; runs in the actor's verifier worker process (importable there)."""
+    -> (reward, acc, pred)``; runs in the actor's verifier worker process (importable there). It
+    raises ``dapo.rewards.UnknownDataSource`` for a data_source it cannot score (the actor stops
+    with that error); any other exception scores -1 and counts a verifier error. With the default,
+    the learner checks every data_source of data.train_path at start-up."""
     heartbeat_interval_s: float = 1.0
     """Seconds between heartbeats to the coordinator."""
     connect_retry_max_s: float = 10.0
