@@ -141,6 +141,23 @@ def _offload_policy(device: torch.device) -> OffloadPolicy:
     return CPUOffloadPolicy(pin_memory=True)
 
 
+@torch.no_grad()
+def clip_offloaded_grads_(params: list[torch.nn.Parameter], max_norm: float, device: torch.device) -> torch.Tensor:
+    """``clip_grad_norm_`` for gradient shards that live on the CPU (FSDP2 CPU offload) under an NCCL
+    group, which cannot all-reduce CPU tensors as DTensor's clip would (pytorch/pytorch#148532): the
+    local squared norms are summed on the CPU, that one scalar is all-reduced on ``device``, and the
+    shards are scaled on the CPU. Returns the global norm (on ``device``)."""
+    grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
+    local = torch.stack(torch._foreach_norm(grads)).square().sum() if grads else torch.zeros(())
+    total = local.to(device)
+    dist.all_reduce(total)
+    norm = total.sqrt()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # as torch.nn.utils.clip_grad_norm_
+    if grads:
+        torch._foreach_mul_(grads, coef.to(grads[0].device))
+    return norm
+
+
 class Trainer:
     """Owns the sharded model, the optimizer and the LR schedule of one learner rank."""
 
@@ -260,7 +277,10 @@ class Trainer:
     def optimizer_step(self) -> float:
         """Clip (collective norm over all shards), step, zero grads; returns the pre-clip grad norm."""
         max_norm = self.settings.grad_clip if self.settings.grad_clip > 0 else math.inf
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if self.settings.cpu_offload and self.device.type != "cpu":
+            norm = clip_offloaded_grads_(list(self.model.parameters()), max_norm, self.device)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

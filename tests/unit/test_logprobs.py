@@ -148,7 +148,26 @@ def _one_step(variant: str) -> dict:
     loss = torch.tensor([trainer.forward_backward(shard, 0, prox, sums), sums["entropy"]], dtype=torch.float64)
     dist.all_reduce(loss)
     grads = {n: p.grad.full_tensor().clone() for n, p in trainer.model.named_parameters()}
-    return {"loss": float(loss[0]), "entropy": float(loss[1]), "grads": grads, "micro": shard.num_microbatches}
+    return {"loss": float(loss[0]), "entropy": float(loss[1]), "grads": grads, "micro": shard.num_microbatches,
+            "clip": _compare_clips(trainer)}
+
+
+def _compare_clips(trainer) -> tuple[float, float, float]:
+    """The CPU-offload clip (local norms, one all-reduce) against torch's DTensor clip_grad_norm_ on the
+    same sharded gradients, at max_norm = half the norm so that both really scale: (norm by torch,
+    norm by ours, largest difference of the clipped gradients)."""
+    from learner.trainer import clip_offloaded_grads_
+
+    params = list(trainer.model.parameters())
+    saved = [p.grad.to_local().clone() for p in params]
+    norm = torch.nn.utils.clip_grad_norm_(params, float("inf")).full_tensor()
+    ref_norm = torch.nn.utils.clip_grad_norm_(params, float(norm) / 2).full_tensor()
+    ref = [p.grad.to_local().clone() for p in params]
+    for p, g in zip(params, saved):
+        p.grad.to_local().copy_(g)
+    ours = clip_offloaded_grads_(params, float(norm) / 2, torch.device("cpu"))
+    diff = max(float((p.grad.to_local() - r).abs().max()) for p, r in zip(params, ref))
+    return float(ref_norm), float(ours), diff
 
 
 def _assert_same(got: dict, ref: dict, what: str) -> None:
@@ -178,6 +197,9 @@ def test_trainer_chunked_and_checkpointed_grads_equal_plain_on_one_rank():
     assert any(float(g.abs().max()) > 1e-3 for g in runs["plain"]["grads"].values())
     for v in ("chunk5", "chunk5_ac", "plain_ac"):
         _assert_same(runs[v], runs["plain"], v)
+    for v, run in runs.items():
+        ref_norm, ours, diff = run["clip"]
+        assert abs(ours - ref_norm) <= 1e-6 * ref_norm and diff <= 1e-9, (v, run["clip"])
 
 
 def _two_rank_worker(rank: int, init_file: str, out_dir: str) -> None:
@@ -208,3 +230,6 @@ def test_trainer_chunked_and_checkpointed_grads_on_two_ranks_equal_one_rank_plai
     two = torch.load(tmp_path / "two.pt")
     for v, run in two.items():
         _assert_same(run, ref, f"2 ranks {v}")
+        ref_norm, ours, diff = run["clip"]  # rank 0's shards; the norms are global
+        assert abs(ours - ref_norm) <= 1e-6 * ref_norm and diff <= 1e-9, (v, run["clip"])
+        assert abs(ref_norm - ref["clip"][0]) <= 1e-5 * ref_norm
