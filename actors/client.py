@@ -80,9 +80,11 @@ class LeaseNumbers:
                     self._unanswered = 0
 
     def stamp_heartbeat(self, request) -> None:
+        # Read only: the heartbeat thread of a session that just ended must not reset the numbers
+        # of the new one (a restarted count would make a fresh call look like a retry).
         with self._lock:
-            self._session(request.actor_id)
-            request.last_received_lease_request_id = self._received
+            same = request.actor_id == self._actor_id
+            request.last_received_lease_request_id = self._received if same else 0
 
 
 class CoordinatorClient:

@@ -381,10 +381,14 @@ def push_and_train(learner: Learner, actor: int, leases, spoil=None) -> list:
 
 
 @pytest.mark.timeout(60)
-def test_an_out_of_vocabulary_token_is_rejected_before_the_learner_and_the_actor_is_told() -> None:
+def test_an_out_of_vocabulary_token_is_rejected_before_the_learner_and_the_actor_is_told(caplog) -> None:
     """An authenticated actor pushes a group with response_ids[0] = 10**9: it used to pass the
     queue and crash Trainer.logprobs (IndexError). It is dropped (dropped/token_out_of_vocab), its
-    prompt goes to the next lease, and the actor's heartbeat reply says why."""
+    prompt goes to the next lease, and the actor's heartbeat reply says why (its client logs it)."""
+    import logging
+
+    from actors.client import CoordinatorClient as ActorClient
+
     cfg = make_cfg(num_prompts_per_step=2, max_staleness_steps=0)
     learner = Learner(cfg, 100)
     client = CoordinatorClient(learner.target, TOKEN, timeout_s=5)
@@ -400,8 +404,14 @@ def test_an_out_of_vocabulary_token_is_rejected_before_the_learner_and_the_actor
         push_and_train(learner, actor, leases, spoil=spoil)
         counts = learner.queue.counters()
         assert counts["dropped/token_out_of_vocab"] == 1 and counts["accepted"] == 1
-        hb = client.heartbeat(actor, 0)
+        actor_client = ActorClient(learner.target, TOKEN, 5.0, max_message_bytes=1 << 20, reconnect_backoff_max_s=1.0)
+        with caplog.at_level(logging.WARNING, logger="actors.client"):
+            for _ in range(2):  # the second reply reports nothing new: one warning
+                hb = actor_client.call("Heartbeat", pb.HeartbeatRequest(actor_id=actor, weight_version=0))
+        actor_client.close()
         assert (hb.groups_rejected, hb.last_rejected_reason) == (1, "token_out_of_vocab")
+        warnings = [r.getMessage() for r in caplog.records if r.name == "actors.client"]
+        assert len(warnings) == 1 and "rejected 1 more" in warnings[0] and "token_out_of_vocab" in warnings[0]
         status = client.status()
         assert [(a.groups_rejected, a.last_rejected_reason) for a in status.actors] == [(1, "token_out_of_vocab")]
         again = client.lease(actor, 2, 0).leases

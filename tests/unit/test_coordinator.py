@@ -369,6 +369,42 @@ def test_heartbeats_return_an_unreceived_reply_within_a_heartbeat_timeout() -> N
     assert len(kept) == 2 and coord.audit()["lost"] == 0
 
 
+def test_the_actors_numbering_retries_lost_calls_and_never_makes_a_fresh_call_a_retry() -> None:
+    """actors/client.py's half, in-process: the loop's unnumbered requests get numbers; a call
+    without a reply is retried with its number; a heartbeat from the thread of a session that just
+    ended (the actor re-registered) must not restart the count, or the next fresh call would
+    carry an answered number and be served a replay of leases the actor already holds."""
+    from actors.client import LeaseNumbers
+    from protos import coordinator_pb2 as pb
+
+    coord = make(N=8, k=0)
+    numbers = LeaseNumbers()
+    ended, actor = coord.register("a"), coord.register("a, registered again")
+
+    def lease(lost: bool = False):
+        request = pb.LeaseRequest(actor_id=actor, num_prompts=2, weight_version=0)
+        numbers.stamp_lease(request)
+        result = coord.lease_numbered(actor, 2, 0, request_id=request.request_id,
+                                      last_received_request_id=request.last_received_request_id)
+        if not lost:
+            numbers.answered(request)
+        return (request.request_id, request.last_received_request_id), {g.lease_id for g in result.leases}
+
+    first_ids, first = lease()
+    stale_heartbeat = pb.HeartbeatRequest(actor_id=ended)
+    numbers.stamp_heartbeat(stale_heartbeat)
+    assert first_ids == (1, 0) and stale_heartbeat.last_received_lease_request_id == 0
+    second_ids, second = lease()
+    assert second_ids == (2, 1) and len(second) == 2 and second.isdisjoint(first)
+    lost_ids, lost = lease(lost=True)
+    retry_ids, retry = lease()
+    assert lost_ids == retry_ids == (3, 2) and retry == lost
+    heartbeat = pb.HeartbeatRequest(actor_id=actor)
+    numbers.stamp_heartbeat(heartbeat)
+    assert heartbeat.last_received_lease_request_id == 3
+    assert coord.counters()["lease_replies_replayed"] == 1 and coord.counters()["leases_issued"] == 6
+
+
 def test_unnumbered_leases_keep_the_old_behaviour() -> None:
     coord = make(N=2, k=0)
     a = coord.register("a")
