@@ -23,8 +23,10 @@ exactly once holds; a reclaimed one is re-issued, and a late group for it is dro
 ``lease_not_active``. Unnumbered calls (request_id 0) grant anew every time.
 
 The heartbeat rule tolerates a heartbeat sent just before the reply arrived: it only reclaims a
-reply older than heartbeat_timeout_s, by when the actor's deadline-bound Lease call has either
-received it (and a later heartbeat says so) or failed (and the actor retries or asks anew).
+reply older than heartbeat_timeout_s. A reply still on its way by then (only when the actor's
+rpc_timeout_s exceeds heartbeat_timeout_s and the learner stalls) is reclaimed anyway: the actor
+generates for leases that were re-issued and its groups are dropped as ``lease_not_active``,
+wasted work but never a prompt trained twice or lost.
 """
 
 from __future__ import annotations
