@@ -83,6 +83,8 @@ class Actor:
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self.generations = GenerationLog(
             Path(cfg.run.run_dir) / "logs" / f"generations-{socket.gethostname()}-{os.getpid()}.jsonl")
+        self.left = "was not registered with a learner"
+        """How the last ``leave`` went (for the actor's stop line)."""
 
     def run(self) -> int:
         """Serve until ``stop``; returns the exit code (0)."""
@@ -284,9 +286,10 @@ class Actor:
         try:
             resp = self.client.call("Leave", pb.LeaveRequest(actor_id=session.actor_id), timeout_s=2.0)
             self.metrics.add("leases_returned", resp.num_leases_returned)
-            log.info("left the run; %d leases returned", resp.num_leases_returned)
+            self.left = f"left the run; {resp.num_leases_returned} leases returned"
         except (LearnerUnavailable, SessionLost) as exc:  # its heartbeats stop: leases expire anyway
-            log.info("leave: %s", exc)
+            self.left = f"could not leave ({exc}); the learner re-issues its leases when its heartbeats stop"
+        log.debug("%s", self.left)
         self.close_session()
 
     # -- helpers --------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 
@@ -15,8 +16,10 @@ coordinator, samples G responses per prompt, scores them and pushes the groups t
 queue, loading new weights as the learner publishes them.
 
 The actor may start before the learner (it waits, retrying with backoff up to
-actor.connect_retry_max_s), survives learner restarts, and leaves cleanly on SIGTERM (its
-leases go back to the coordinator). Run parameters (G, max tokens, temperature, staleness) come
+actor.connect_retry_max_s) and survives learner restarts. Ctrl-C / SIGTERM: it leaves after the
+current stage (its leases go back to the coordinator) and exits 0 with one line saying so; a
+second Ctrl-C / SIGTERM exits at once (exit 1; its leases expire after the learner's
+transport.heartbeat_timeout_s). Run parameters (G, max tokens, temperature, staleness) come
 from the learner; the model architecture and engine from this actor's config.
 """
 EPILOG = """\
@@ -32,6 +35,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--learner", required=True, metavar="HOST:PORT",
                         help="the learner's coordinator (gRPC) address, e.g. 127.0.0.1:50051")
+    parser.add_argument("--shell-exit-codes", action="store_true",
+                        help="exit 128 + the signal number (130 for SIGINT, 143 for SIGTERM) after a requested "
+                             "stop instead of 0, as shells and some schedulers expect")
     parser.add_argument("overrides", nargs="*", help="Hydra config overrides (key=value)")
     args = parser.parse_args(argv)
     host, _, port = args.learner.rpartition(":")
@@ -43,6 +49,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s actor %(levelname)s %(name)s: %(message)s")
+    stop = threading.Event()
+    received = stop_on_signals(stop)  # before the slow imports: a Ctrl-C is never a KeyboardInterrupt
     from dapo.config import ConfigError, load_config
 
     try:
@@ -50,9 +58,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         log.error("%s", exc)
         return 2
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):  # leave after the current stage, exit 0
-        signal.signal(sig, lambda *_: stop.set())
 
     from transformers import AutoTokenizer
 
@@ -77,12 +82,36 @@ def main(argv: list[str] | None = None) -> int:
     stop_prometheus = serve_prometheus(metrics, cfg.actor.prometheus_port) if cfg.actor.prometheus_port > 0 else None
     actor = Actor(cfg, client, engine, verifier, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                   fetch, metrics, stop)
+    error = None
     try:
-        return actor.run()
+        actor.run()
     except (AuthError, ValueError) as exc:  # wrong token, or a config the learner's run cannot use
-        log.error("%s", exc)
-        return 3
+        error = exc
     finally:
-        log.info("final: %s", metrics.log_line())
         for close in (verifier.close, close_fetch, client.close, engine.close, stop_prometheus or (lambda: None)):
             close()
+    if error is not None:
+        log.error("%s | final: %s", error, metrics.log_line())
+        return 3
+    why = signal.Signals(received[0]).name if received else "the learner ended the run"
+    log.info("stopped (%s): %s | final: %s", why, actor.left, metrics.log_line())
+    return 128 + received[0] if received and args.shell_exit_codes else 0
+
+
+def stop_on_signals(stop: threading.Event) -> list[int]:
+    """SIGTERM/SIGINT: leave after the current stage. A second one: exit now, without a traceback
+    and without orphans (the verifier worker dies with this process: PR_SET_PDEATHSIG)."""
+    received: list[int] = []
+
+    def handle(signum: int, _frame: object) -> None:
+        received.append(signum)
+        stop.set()
+        if len(received) > 1:
+            log.info("stopped at once (second %s): leases not returned; the learner re-issues them after "
+                     "transport.heartbeat_timeout_s", signal.Signals(signum).name)
+            logging.shutdown()
+            os._exit(1)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handle)
+    return received

@@ -87,9 +87,12 @@ class Verifier:
 
     # -- worker lifecycle ---------------------------------------------------------------------
     def _start(self) -> None:
+        # A session of its own: a Ctrl-C in a terminal reaches the actor's whole process group, and
+        # must neither kill a worker (mid-start or mid-verdict) nor make it print a traceback. The
+        # actor owns its life: stdin EOF, SIGKILL, or the actor's death (PR_SET_PDEATHSIG).
         self._proc = subprocess.Popen([sys.executable, "-m", "actors.verifier", self.score_fn],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
-                                      env={**os.environ, PARENT_PID_ENV: str(os.getpid())})
+                                      env={**os.environ, PARENT_PID_ENV: str(os.getpid())}, start_new_session=True)
         self._unpacker = msgpack.Unpacker(raw=False)
         reply = self._read(START_TIMEOUT_S)
         if reply is None or reply[0] != "ok" or reply[3] != "ready":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import ipaddress
 import os
 import sys
 from datetime import timedelta
@@ -13,7 +15,7 @@ apply_service_env()
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from dapo.config import load_config  # noqa: E402
+from dapo.config import DapoConfig, TransportConfig, load_config  # noqa: E402
 from learner import checkpoint, loop  # noqa: E402
 from learner.services import start_services  # noqa: E402
 from learner.trainer import Trainer, TrainerSettings  # noqa: E402
@@ -28,9 +30,41 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+DEFAULT_AUTH_TOKEN = next(f.default for f in dataclasses.fields(TransportConfig) if f.name == "auth_token")
+
+
+def is_loopback(host: str) -> bool:
+    """127.x, ::1 and ``localhost``; any other name may resolve to a public interface."""
+    name = host.strip().strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def public_bind_error(t: TransportConfig) -> str | None:
+    """Why the services must not start with this transport config, or None. The default token is
+    printed in the README: beyond loopback anyone who reaches the ports could act as an actor."""
+    if is_loopback(t.host) or t.auth_token != DEFAULT_AUTH_TOKEN:
+        return None
+    return (f"transport.host={t.host} accepts connections from other machines, but transport.auth_token is the "
+            f"public default {DEFAULT_AUTH_TOKEN!r}: anyone who can reach the ports could register as an actor and "
+            "push groups. Generate a token with\n"
+            "  python -c \"import secrets; print(secrets.token_hex(16))\"\n"
+            "and pass it to the learner and to every actor as transport.auth_token=<token> (or bind to loopback: "
+            "transport.host=127.0.0.1).")
+
+
 def main(argv: list[str]) -> int:
     die_with_parent()
+    stop = loop.StopFlag()  # first thing: a stop requested during start-up is kept, not lost
     cfg = load_config(argv)
+    refusal = public_bind_error(cfg.transport)  # `dapo learner` refuses before torchrun; torchrun users here
+    if refusal:
+        print(f"learner: {refusal}", file=sys.stderr, flush=True)
+        return 2
     device = torch.device("cuda" if cfg.learner.device == "cuda" or (
         cfg.learner.device == "auto" and torch.cuda.is_available()) else "cpu")
     if device.type == "cuda":
@@ -57,7 +91,6 @@ def main(argv: list[str]) -> int:
     resume = checkpoint.resolve_resume(cfg.learner.resume, cfg.run.run_dir)
     run_state = checkpoint.load(resume, trainer.model, trainer.optimizer, trainer.scheduler) if resume else {}
     start_step = int(run_state.get("step", 0))
-    stop = loop.StopFlag()
     services = start_services(cfg, model_path, run_state, device) if rank == 0 else None
     state_dict = trainer.full_state_dict()  # version start_step, so actors can sync before step 1
     if services is not None:
@@ -70,14 +103,29 @@ def main(argv: list[str]) -> int:
         if services is not None:
             services.coordinator.request_shutdown()
     if services is not None:
-        left = services.coordinator.wait_for_actors_to_leave(cfg.transport.shutdown_drain_s)
-        print(f"learner: stopped at step {step} ({stop.reason or 'total_steps reached'})"
-              + (f"; {left} actor(s) had not left after transport.shutdown_drain_s" if left else ""), flush=True)
-        services.server.stop()
-        services.replay.close()
-        services.publisher.close()
-        services.metrics.close()
+        stop_services(cfg, services, step, start_step, stop.reason or "total_steps reached")
     return 0
+
+
+def stop_services(cfg: DapoConfig, services: loop.Rank0Services, step: int, start_step: int, reason: str) -> None:
+    """After ``request_shutdown``: wait until the actors heard it and left (they return their leases
+    while the services are still up), close the services, and say in one line what was done."""
+    coordinator = services.coordinator
+    told = len(coordinator.status()["actors"])
+    returned_before = coordinator.counters().get("leases_returned_on_leave", 0)
+    remaining = coordinator.wait_for_actors_to_leave(cfg.transport.shutdown_drain_s)
+    returned = coordinator.counters().get("leases_returned_on_leave", 0) - returned_before
+    services.server.stop()
+    services.replay.close()
+    services.publisher.close()
+    services.metrics.close()
+    saved = (f"final checkpoint {checkpoint.checkpoint_dir(cfg.run.run_dir) / f'step_{step}'}" if step > start_step
+             else "no step trained, no checkpoint written")
+    actors = f"{told} actor(s) told to stop, {told - remaining} left and returned {returned} lease(s)"
+    if remaining:
+        actors += (f"; {remaining} had not left after transport.shutdown_drain_s={cfg.transport.shutdown_drain_s:g}"
+                   " (their leases expire)")
+    print(f"learner: stopped at step {step} ({reason}): {saved}; {actors}", flush=True)
 
 
 def teardown_and_exit(rc: int) -> None:

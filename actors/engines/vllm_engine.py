@@ -27,6 +27,27 @@ class _DropRecord(logging.Filter):
         return not record.getMessage().startswith(self.prefix)
 
 
+# skip_tokenizer_init: at the first generate vLLM warns that it does not know the EOS id. The
+# engine passes the stop ids with every request (stop_token_ids), so nothing is wrong.
+logging.getLogger("vllm.renderers.base").addFilter(_DropRecord("Using None for EOS token id"))
+
+
+def _skip_computed_buffers_on_reload(model: torch.nn.Module) -> None:
+    """Tell vLLM's layerwise reload that the non-persistent buffers of parameterless modules are
+    never loaded. vLLM counts every tensor of a layer as loadable, so a RotaryEmbedding, whose only
+    tensor is the cos/sin cache it computes from the config (no checkpoint has it), logs
+    "RotaryEmbedding: Failed to load weights" at every reload, then restores the cache: the load is
+    right, the warning is not. SKIP_LOAD_TENSORS is vLLM's own list of such never-loaded names;
+    runs inside the worker (``apply_model``). A missing parameter still warns ("Following weights
+    were not loaded"), a mis-shaped one still raises."""
+    try:
+        from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+    except ImportError:  # a vLLM without layerwise reload: nothing is miscounted
+        return
+    SKIP_LOAD_TENSORS.update(name for module in model.modules() if next(module.parameters(recurse=False), None) is None
+                             for name in module._non_persistent_buffers_set)
+
+
 class VllmEngine(Engine):
     def __init__(self, model_path: str, *, dtype: str = "float32", max_model_len_tokens: int = 512,
                  seed: int = 0, version: int = 0, enforce_eager: bool = True) -> None:
@@ -79,6 +100,7 @@ class VllmEngine(Engine):
             # vLLM on CPU keeps a separately packed copy of a tied lm_head; without an explicit
             # lm_head.weight the logits would keep using the old one (vllm-on-cpu.md §5).
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+        self._llm.apply_model(_skip_computed_buffers_on_reload)
         self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items()),
                                                            "is_checkpoint_format": True})
         # Cached KV blocks were computed with the old weights.
