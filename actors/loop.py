@@ -18,7 +18,8 @@
   ReplayQueue (ZMQ PULL) <-- frames ------ push()              PUSH, HWM, send deadline;
                                                 |              unsent -> ReturnLeases
                                            (before the push: each group's token versions ->
-                                            <run.run_dir>/logs/generations-<host>-<pid>.jsonl)
+                                            <run.run_dir>/logs/generations-<host>-<pid>.jsonl
+                                            where the run folder exists on this host)
   Coordinator <-- Leave ------------------ leave()             on stop: leases go back
 ```
 
@@ -81,8 +82,8 @@ class Actor:
         self.latest_version = 0
         self.batch_index = 0
         self.name = f"{socket.gethostname()}:{os.getpid()}"
-        self.generations = GenerationLog(
-            Path(cfg.run.run_dir) / "logs" / f"generations-{socket.gethostname()}-{os.getpid()}.jsonl")
+        self.generations = GenerationLog(Path(cfg.run.run_dir),
+                                          f"generations-{socket.gethostname()}-{os.getpid()}.jsonl")
         self.left = "was not registered with a learner"
         """How the last ``leave`` went (for the actor's stop line)."""
 

@@ -95,14 +95,18 @@ class ActorMetrics:
 
 
 class GenerationLog:
-    """Append-only JSONL, one line per group: ``run_id``, ``actor_id``, ``lease_id``,
-    ``prompt_id``, ``min_token_version`` / ``max_token_version`` (over every token of the group's
-    samples, as the engine reported them), ``num_samples``, ``num_tokens``, ``unix_time_s`` (just
-    before the push). The file is opened at the first record; a write error is logged once and
-    ends the log, never the actor."""
+    """Append-only JSONL ``<run_dir>/logs/<file_name>``, one line per group: ``run_id``,
+    ``actor_id``, ``lease_id``, ``prompt_id``, ``min_token_version`` / ``max_token_version`` (over
+    every token of the group's samples, as the engine reported them), ``num_samples``,
+    ``num_tokens``, ``unix_time_s`` (just before the push).
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    Written only where the run folder exists on this host (``dapo run`` and the learner create
+    it; a shared filesystem): an actor elsewhere, or one built from a default config in a test,
+    leaves no stray folder behind. A write error is logged once and ends the log, never the actor."""
+
+    def __init__(self, run_dir: Path, file_name: str) -> None:
+        self.run_dir = run_dir
+        self.path = run_dir / "logs" / file_name
         self._file: IO[str] | None = None
         self._failed = False
 
@@ -118,7 +122,9 @@ class GenerationLog:
                            "num_tokens": len(flat), "unix_time_s": time.time()})
         try:
             if self._file is None:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
+                if not self.run_dir.is_dir():  # checked until it appears: the learner may create it later
+                    return
+                self.path.parent.mkdir(exist_ok=True)
                 self._file = open(self.path, "a")
             # Flushed per line: a kill -9 right after the push still leaves the record on disk.
             self._file.write(line + "\n")

@@ -84,12 +84,15 @@ def test_staleness_audit_joins_trained_prompts_with_the_actors_generation_record
     before that step was logged; a trained prompt without a record is reported."""
     from actors.metrics import GenerationLog
 
-    log = GenerationLog(tmp_path / "logs" / "generations-host-1.jsonl")
-    other = GenerationLog(tmp_path / "logs" / "generations-host-2.jsonl")
+    log = GenerationLog(tmp_path, "generations-host-1.jsonl")
+    other = GenerationLog(tmp_path, "generations-host-2.jsonl")
+    elsewhere = GenerationLog(tmp_path / "no-run-folder-on-this-host", "generations-host-3.jsonl")
 
     def rec(gen: GenerationLog, prompt_id: int, versions: list[list[int]]) -> None:
         gen.record(run_id="r", actor_id=1, lease_id=prompt_id, prompt_id=prompt_id, token_versions=versions)
 
+    rec(elsewhere, 1, [[0]])
+    assert not elsewhere.run_dir.exists()
     rec(log, 1, [[0, 0], [0]])
     rec(other, 2, [[0, 0, 0]])
     rec(log, 3, [[0, 0]])  # dropped (say stale at consumption), generated again below
