@@ -2,10 +2,13 @@
 
     dapo run [overrides]
       ├─ builds the embedded tiny model once (model.path=builtin:tiny) so children never race
-      ├─ python -m learner  <config>            (torchrun, W ranks; coordinator + replay queue)
-      ├─ python -m actors --learner H:P <config>   × run.num_actors
+      ├─ picks free ports for any port given as 0, so that learner and actors start together
+      ├─ python -m learner.main <config>        (one rank: no torchrun process in between)
+      │  python -m learner <config>             (W > 1 ranks: torchrun; coordinator + replay queue)
+      ├─ python -m actors --learner H:P <config>   × run.num_actors   (concurrently with the learner)
       ├─ tails <run_dir>/metrics.jsonl → progress bar (step, version, accuracy, reward, ...)
-      └─ at the end: stop actors, PNG of the curves, HF export of the final checkpoint
+      ├─ prints the start-up breakdown once the first step is trained
+      └─ at the end: stop actors, PNG of the curves, HF export; the last line: time to target
 
 Every child runs in its own session with a parent-death signal, so Ctrl-C (or a kill of this
 process) never leaves orphans: actors get SIGTERM first (they return their leases), then the
@@ -19,6 +22,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -36,8 +40,8 @@ Writes run.run_dir: metrics.jsonl, tensorboard/, curves.png, checkpoints/, hf/, 
 """
 
 STOP_GRACE_S = 30.0
-LEARNER_UP_TIMEOUT_S = 300.0
-ADDRESS_LINE = re.compile(r"^learner: coordinator (\S+), replay", re.M)
+PORT_KEYS = ("grpc_port", "zmq_port", "weight_port", "collective_port")
+REGISTERED_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) actor INFO actors.loop: registered as", re.M)
 EXCEPTION_LINE = re.compile(r"^\[rank\d+\]: [\w.]*(Error|Exception|Stalled)\w*: ")
 
 
@@ -49,11 +53,11 @@ def _die_with_parent() -> None:
 
 
 class Child:
-    def __init__(self, name: str, argv: list[str], log_dir: Path) -> None:
+    def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "ab")
-        env = {**os.environ, **service_env()}
+        env = {**os.environ, **service_env(), **(env or {})}
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      preexec_fn=_die_with_parent)
 
@@ -158,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         (run_dir / stale).unlink(missing_ok=True)  # a fresh run never mixes with an old one
     print(f"dapo run: preparing model {cfg.model.path} ...", file=sys.stderr)
     cfg = replace(cfg, model=replace(cfg.model, path=str(resolve_model_path(cfg))))
+    cfg = replace(cfg, transport=with_free_ports(cfg.transport))
 
     overrides = to_overrides(cfg)
     children: list[Child] = []
@@ -169,28 +174,29 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
 
-    learner = Child("learner", [sys.executable, "-m", "learner", *overrides], run_dir / "logs")
+    learner_argv, learner_env = learner_command(cfg, overrides)
+    learner = Child("learner", learner_argv, run_dir / "logs", learner_env)
     children.append(learner)
-    addr = f"{cfg.transport.host}:{cfg.transport.grpc_port}"
-    if cfg.transport.grpc_port == 0:  # the learner picked free ports: read them from its log
-        addr = _wait_for_address(learner, LEARNER_UP_TIMEOUT_S, stop)
-        if addr is None:
-            learner.stop(STOP_GRACE_S)
-            print(f"dapo run: the learner did not come up ({stop['why'] or 'exited'}); see {learner.log_path}:\n"
-                  f"{_error_tail(learner.log_path)}", file=sys.stderr)
-            return 1
+    # The ports are known before the learner is up: actors start now and register as soon as the
+    # coordinator answers (they retry while it does not), instead of waiting for it to be ready.
+    addr = f"{_connect_host(cfg.transport.host)}:{cfg.transport.grpc_port}"
     actors = [Child(f"actor{i}", [sys.executable, "-m", "actors", "--learner", addr, *overrides,
                                   f"actor.seed={cfg.actor.seed + i}"], run_dir / "logs")
               for i in range(cfg.run.num_actors)]
     children += actors
+    spawned_unix_s = time.time()
     print(f"dapo run: learner pid {learner.proc.pid}, actors {[a.proc.pid for a in actors]}; "
           f"logs in {run_dir / 'logs'}", file=sys.stderr)
 
     progress = Progress(run_dir / "metrics.jsonl", cfg.learner.total_steps)
     t0 = time.monotonic()
+    startup_shown = False
     try:
         while not stop["why"]:
             progress.poll()
+            if not startup_shown and any("time/step_s" in r for r in progress.records):
+                startup_shown = True
+                progress.bar.write(startup_breakdown(run_dir, progress.records, started_unix_s, spawned_unix_s))
             if not learner.alive():
                 stop["why"] = f"learner exited ({learner.proc.returncode})"
             elif cfg.run.max_wall_time_s and time.monotonic() - t0 > cfg.run.max_wall_time_s:
@@ -220,18 +226,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _finish(run_dir: Path, records: list[dict], cfg, learner_rc: int | None, started_unix_s: float) -> int:
-    from dapo.plots import plot_run, time_to_target
+    from dapo.plots import plot_run
 
     if records:
         png = plot_run(records, run_dir / "curves.png", title=f"dapo run — {cfg.algorithm.name}")
         print(f"dapo run: curves in {png}", file=sys.stderr)
-        hit = time_to_target(records, "eval/accuracy", cfg.run.target_accuracy)
-        first = next((r["eval/accuracy"] for r in records if "eval/accuracy" in r), None)
-        last = progress_last(records, "eval/accuracy")
-        print(f"dapo run: eval accuracy {first} -> {last}; target {cfg.run.target_accuracy} "
-              + (f"reached at step {hit[0]:.0f}, {hit[1]:.0f} s into training, "
-                 f"{_unix_time_at_step(records, hit[0]) - started_unix_s:.0f} s after `dapo run` started"
-                 if hit else "not reached"), file=sys.stderr)
     ckpts = sorted((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
     if ckpts:
         out = run_dir / "hf"
@@ -239,18 +238,84 @@ def _finish(run_dir: Path, records: list[dict], cfg, learner_rc: int | None, sta
                              env={**os.environ, **service_env()})
         print(f"dapo run: HF export of {ckpts[-1].name} in {out}" if rc == 0
               else f"dapo run: export failed (exit {rc})", file=sys.stderr)
+    if records:  # the last line: what a user looks for first
+        print(target_line(records, cfg.run.target_accuracy, started_unix_s), file=sys.stderr)
     return 0 if learner_rc == 0 else 1
 
 
-def _wait_for_address(learner: Child, timeout_s: float, stop: dict) -> str | None:
-    """The coordinator's host:port from the learner's start-up line, or None if it never came."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and learner.alive() and not stop["why"]:
-        found = ADDRESS_LINE.search(learner.log_path.read_text(errors="replace"))
+def target_line(records: list[dict], target: float, started_unix_s: float) -> str:
+    from dapo.plots import time_to_target
+
+    hit = time_to_target(records, "eval/accuracy", target)
+    first = next((r["eval/accuracy"] for r in records if "eval/accuracy" in r), None)
+    last = progress_last(records, "eval/accuracy")
+    if not hit:
+        return f"dapo run: eval accuracy {first} -> {last}; target {target} not reached"
+    return (f"dapo run: eval accuracy {first} -> {last}; target {target} reached at step {hit[0]:.0f} in "
+            f"{_unix_time_at_step(records, hit[0], 'eval/accuracy') - started_unix_s:.1f} s of wall time "
+            f"from `dapo run` ({hit[1]:.0f} s into training)")
+
+
+def with_free_ports(transport):
+    """``transport`` with every port given as 0 replaced by a port that is free now. The learner
+    binds them a moment later (another process could take one in between: the learner then fails
+    to bind and says so); knowing them up front lets the actors start alongside the learner."""
+    chosen, holders = {}, []
+    for key in PORT_KEYS:
+        if getattr(transport, key) == 0:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((_connect_host(transport.host), 0))
+            holders.append(sock)  # held until all are chosen: no two keys get the same port
+            chosen[key] = sock.getsockname()[1]
+    for sock in holders:
+        sock.close()
+    return replace(transport, **chosen)
+
+
+def _connect_host(host: str) -> str:
+    """Where local actors reach a learner bound to ``host`` (a wildcard bind is reached on loopback)."""
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+def learner_command(cfg, overrides: list[str]) -> tuple[list[str], dict[str, str]]:
+    """(argv, extra env) of the learner. One rank runs ``learner.main`` directly with the
+    environment torchrun would give it: torchrun is a whole Python process with its own torch import
+    (~2 s of CPU on a 2-core machine, before the rank even starts) that only waits on one child.
+    Several ranks go through ``python -m learner`` (torchrun, signal forwarding)."""
+    if cfg.learner.num_ranks > 1:
+        return [sys.executable, "-m", "learner", *overrides], {}
+    master = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    master.bind(("127.0.0.1", 0))
+    port = master.getsockname()[1]
+    master.close()
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    return [sys.executable, "-m", "learner.main", *overrides], env
+
+
+def startup_breakdown(run_dir: Path, records: list[dict], started_unix_s: float, spawned_unix_s: float) -> str:
+    """One line: when each start-up milestone happened, in seconds after `dapo run` started."""
+    def at(t: float | None) -> str:
+        return "-" if t is None else f"{t - started_unix_s:.1f} s"
+
+    ready = next((r["unix_time_s"] for r in records if r.get("step") == 0 and "unix_time_s" in r), None)
+    registered = []
+    for log in sorted((run_dir / "logs").glob("actor*.log")):
+        found = REGISTERED_LINE.search(log.read_text(errors="replace"))
         if found:
-            return found.group(1)
-        time.sleep(0.2)  # polling a log file: there is no event to wait on
-    return None
+            registered.append(time.mktime(time.strptime(found.group(1)[:19], "%Y-%m-%d %H:%M:%S"))
+                              + int(found.group(1)[20:]) / 1000)
+    first_group = None
+    for path in (run_dir / "logs").glob("generations-*.jsonl"):
+        with open(path) as f:
+            line = f.readline()
+        if line.endswith("\n"):
+            t = json.loads(line)["unix_time_s"]
+            first_group = t if first_group is None else min(first_group, t)
+    first_step = next((r["unix_time_s"] for r in records if "time/step_s" in r), None)
+    return (f"dapo run: start-up: children started {at(spawned_unix_s)}, learner serving version 0 {at(ready)}, "
+            f"first actor registered {at(min(registered, default=None))}, first lease generated {at(first_group)}, "
+            f"first step trained {at(first_step)} (after `dapo run` started)")
 
 
 def _error_tail(log_path: Path, max_lines: int = 3) -> str:
@@ -260,8 +325,8 @@ def _error_tail(log_path: Path, max_lines: int = 3) -> str:
     return "\n".join((errors or lines)[-max_lines:])
 
 
-def _unix_time_at_step(records: list[dict], step: float) -> float:
-    return next(float(r["unix_time_s"]) for r in records if r["step"] == step and "unix_time_s" in r)
+def _unix_time_at_step(records: list[dict], step: float, key: str) -> float:
+    return next(float(r["unix_time_s"]) for r in records if r["step"] == step and key in r and "unix_time_s" in r)
 
 
 def progress_last(records: list[dict], key: str) -> float | None:

@@ -211,10 +211,17 @@ class Trainer:
         return logp, entropy
 
     @torch.no_grad()
-    def recompute_prox(self, shard: RankShard) -> dict[tuple[int, int], torch.Tensor]:
-        """π_prox for every micro-batch of the step, with the weights before the step's first update."""
+    def recompute_prox(self, shard: RankShard, *, first_minibatch: int = 0
+                       ) -> dict[tuple[int, int], torch.Tensor]:
+        """π_prox for every micro-batch of mini-batches ``first_minibatch``.. of the step, with the
+        weights before the step's first update.
+
+        ``train_step`` passes 1 in recompute mode: mini-batch 0 is trained with exactly these
+        weights, so the forward of its loss IS its π_prox forward (same weights, same packed rows,
+        same kernels: bit-identical, tests/unit/test_prox_skip.py); ``forward_backward`` takes its
+        π_prox from that forward, detached, and the step runs one forward of 1/M of the batch less."""
         prox = {}
-        for m in range(shard.num_minibatches):
+        for m in range(first_minibatch, shard.num_minibatches):
             for u in range(shard.num_microbatches):
                 mb = shard.micro(m, u)
                 if self.settings.algorithm.prox_logp == "bypass":
@@ -251,7 +258,8 @@ class Trainer:
             if mb.is_empty:
                 logp.backward()
                 continue
-            logp_prox = prox[(minibatch, u)]
+            # Absent: π_prox is this very forward (the first mini-batch, see recompute_prox).
+            logp_prox = prox[(minibatch, u)] if (minibatch, u) in prox else logp.detach()
             sampler = mb.sampler_logp.to(self.device)
             mask = mb.row_mask().to(self.device)
             loss, metrics = policy_loss(
@@ -289,7 +297,7 @@ class Trainer:
     def train_step(self, shard: RankShard) -> dict[str, float]:
         """One training step (all mini-batches of a batch). Returns metrics, identical on all ranks."""
         t0 = time.perf_counter()
-        prox = self.recompute_prox(shard)
+        prox = self.recompute_prox(shard, first_minibatch=int(self.settings.algorithm.prox_logp == "recompute"))
         prox_s = time.perf_counter() - t0
         sums = dict.fromkeys(_SUMS, 0.0)
         grad_norms = []
