@@ -1,22 +1,14 @@
-"""Coordinator: the data cursor, the policy version, prompt leases and actor liveness.
-
-```
-            lease()                      complete_lease()          mark_trained()
- cursor ──────────────> active lease ───────────────────> queued ──────────────> trained
- (epochs, ▲  pending  │  (actor generating)  │ drop_filtered() (dynamic sampling: done)
- shuffled)│  re-issue │ heartbeat miss,      │ requeue_stale() (too old at consumption)
-          └───────────┴─ leave, return, lease timeout ◄────────────────────────────┘
-```
+"""Coordinator: the façade learner rank 0 serves: the prompt ledger (learner/ledger.py: cursor,
+prompt states, audit, checkpoint state), the actor registry (learner/registry.py: liveness,
+leases held, rejections), the policy version, and the staleness bound (learner/admission.py).
 
 Exactly once: a prompt has at most one active lease; a group is accepted only for an active
 lease (``complete_lease``), so a group whose lease was re-issued is dropped, never trained twice;
-every lease that does not complete goes back to ``pending`` and is re-issued first, so no prompt
-is lost. Prompt ids come from the data cursor (learner/cursor.py): unique across epochs.
+every lease that does not complete goes back to pending and is re-issued first, so no prompt is
+lost. The replay queue reports what became of an accepted group with ``settle``.
 
-Staleness at dispatch (DESIGN.md, the AReaL rule), with N = groups per step and k = max
-staleness: a prompt is leased only while ``in_flight + accepted_or_trained < (version + k + 1) * N``
-and only to an actor whose weights are >= ``version - k``. Groups dropped by dynamic sampling or
-as too stale free their slot. Lease credit bounds the replay queue: ``in_flight + queued <
+Staleness at dispatch: ``Admission.lease_capacity`` and ``Admission.weights_usable`` (the formula
+is in learner/admission.py). Lease credit bounds the replay queue: ``in_flight + queued <
 queue_max_groups``, so the queue never holds more decoded groups than that.
 
 Idempotent Lease (``lease_numbered``): numbered Lease calls get the grants of a reply they
@@ -38,22 +30,18 @@ threads of its own: expiry runs lazily at the start of every call, against an in
 
 from __future__ import annotations
 
-import logging
 import secrets
 import threading
 import time
-from collections import deque
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from dapo.config import DapoConfig
-from learner.cursor import PromptCursor, PromptSource, RowCount
-from learner.leases import ActorInfo, HeartbeatReply, Lease, LeaseGrant, LeaseReply, LeaseResult, UnknownActor
-
-log = logging.getLogger(__name__)
-
-STATE_FORMAT = 1
+from learner.admission import Admission
+from learner.leases import HeartbeatReply, Lease, LeaseReply, LeaseResult
+from learner.ledger import SETTLED, PromptLedger, PromptSource
+from learner.registry import ActorInfo, ActorRegistry, UnknownActor
 
 
 class Coordinator:
@@ -62,37 +50,20 @@ class Coordinator:
                  lease_retry_after_s: float = 0.25, seed: int = 0, shuffle: bool = True,
                  max_epochs: int = 0, run_id: str | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if len(source) < 1:
-            raise ValueError("Coordinator: the prompt source is empty; check data.train_path")
-        if num_prompts_per_step < 1 or max_staleness_steps < 0 or queue_max_groups < 1:
-            raise ValueError(f"Coordinator: need N >= 1, k >= 0, queue_max_groups >= 1; got "
-                             f"{num_prompts_per_step}, {max_staleness_steps}, {queue_max_groups}")
-        self.source = source
-        self.num_prompts_per_step = num_prompts_per_step
-        self.max_staleness_steps = max_staleness_steps
+        if queue_max_groups < 1:
+            raise ValueError(f"Coordinator: need queue_max_groups >= 1, got {queue_max_groups}")
+        self.admission = Admission(num_prompts_per_step, max_staleness_steps)
+        self.ledger = PromptLedger(source, seed=seed, shuffle=shuffle, max_epochs=max_epochs)
+        self.registry = ActorRegistry(heartbeat_timeout_s, clock)
         self.queue_max_groups = queue_max_groups
-        self.heartbeat_timeout_s = heartbeat_timeout_s
         self.lease_timeout_s = lease_timeout_s
         self.lease_retry_after_s = lease_retry_after_s
-        self.seed, self.shuffle = seed, shuffle
         self.run_id = run_id or secrets.token_hex(8)
         self._clock = clock
         self._lock = threading.RLock()
         self._actors_changed = threading.Condition(self._lock)
-        self._num_rows = len(source)
         self._version = 0
         self._publishing = 0  # > _version while begin_publish(v) waits for set_version(v)
-        self._cursor = PromptCursor(self._num_rows, seed=seed, shuffle=shuffle, max_epochs=max_epochs)
-        # Actor ids start at a random base so an id from a previous learner run is never reused.
-        self._next_actor_id = secrets.randbelow(1 << 40) << 20
-        self._next_lease_id = 1
-        self._actors: dict[int, ActorInfo] = {}
-        self._active: dict[int, Lease] = {}
-        self._active_prompts: set[int] = set()
-        self._pending: deque[int] = deque()
-        self._queued: set[int] = set()
-        self._trained: set[int] = set()
-        self._filtered: set[int] = set()  # dropped by dynamic sampling: done, kept for the audit
         self._shutdown = False
         self._counters: dict[str, int] = {}
 
@@ -103,6 +74,14 @@ class Coordinator:
                    queue_max_groups=t.queue_max_groups, heartbeat_timeout_s=t.heartbeat_timeout_s,
                    lease_timeout_s=t.lease_timeout_s, lease_retry_after_s=t.lease_retry_after_s,
                    seed=cfg.run.seed, **kwargs)
+
+    @property
+    def num_prompts_per_step(self) -> int:
+        return self.admission.num_groups_per_step
+
+    @property
+    def max_staleness_steps(self) -> int:
+        return self.admission.max_staleness_steps
 
     # ------------------------------------------------------------------ version, shutdown
 
@@ -141,26 +120,24 @@ class Coordinator:
         ``timeout_s``, so actors hear the shutdown and return their leases while the services are
         still up. Returns how many actors are still registered."""
         deadline = self._clock() + timeout_s
+        actors = self.registry.actors
         with self._lock:
-            while self._actors:
+            while actors:
                 self._expire_locked()
                 remaining = deadline - self._clock()
-                if not self._actors or remaining <= 0:
+                if not actors or remaining <= 0:
                     break
                 # Leave notifies; the periodic wake-up runs expiry for actors that went silent.
                 self._actors_changed.wait(min(remaining, 0.5))
-            return len(self._actors)
+            return len(actors)
 
     # ------------------------------------------------------------------ actors
 
     def register(self, name: str, capabilities: dict[str, Any] | None = None) -> int:
         with self._lock:
             self._expire_locked()
-            self._next_actor_id += 1
-            actor_id = self._next_actor_id
-            self._actors[actor_id] = ActorInfo(actor_id, name, dict(capabilities or {}), -1, self._clock())
             self._count("actors_registered")
-            return actor_id
+            return self.registry.add(name, capabilities)
 
     def heartbeat(self, actor_id: int, weight_version: int, counters: dict[str, int] | None = None,
                   lease_ack: int | None = None) -> HeartbeatReply:
@@ -173,7 +150,7 @@ class Coordinator:
                 actor.counters = dict(counters)
             reply = actor.last_reply
             if (lease_ack is not None and reply is not None
-                    and reply.lost_by_heartbeat(lease_ack, self._clock(), self.heartbeat_timeout_s)):
+                    and reply.lost_by_heartbeat(lease_ack, self._clock(), self.registry.heartbeat_timeout_s)):
                 self._reclaim_reply_locked(actor)
             return HeartbeatReply(self._version, self._shutdown, sum(actor.rejected.values()),
                                   actor.last_rejected_reason)
@@ -199,28 +176,24 @@ class Coordinator:
         with self._lock:
             actor = self._touch(actor_id)
             actor.weight_version = weight_version
-            n, k = self.num_prompts_per_step, self.max_staleness_steps
-            # Slots count from the version the actor will sample with, not the learner's: an actor
-            # k versions behind would otherwise fill slots that are only fresh for up-to-date
-            # actors, and its groups would be up to 2k old at consumption (dropped there).
-            slots = (min(self._version, weight_version) + k + 1) * n - (
-                len(self._active) + len(self._queued) + len(self._trained))
-            credit = self.queue_max_groups - (len(self._active) + len(self._queued))
+            ledger, admission = self.ledger, self.admission
+            slots = admission.lease_capacity(self._version, weight_version, ledger.used_slots)
+            usable = admission.weights_usable(weight_version, self._version, self.newest_version)
             # The first binding limit is the reason reported when fewer than asked are granted.
             # Ties go to the earlier entry: an actionable reason (shut down, load weights) first.
             limits = [(num_prompts, ""), (0 if self._shutdown else num_prompts, "shutting_down"),
-                      # Weights ahead of the newest version: the learner restarted from a checkpoint.
-                      (0 if not self._version - k <= weight_version <= self.newest_version else num_prompts,
-                       "weights_too_old"),
-                      (max(slots, 0), "staleness_bound"), (max(credit, 0), "queue_full")]
+                      (num_prompts if usable else 0, "weights_too_old"),
+                      (max(slots, 0), "staleness_bound"), (max(self.queue_max_groups - ledger.held, 0), "queue_full")]
             want, denial = min(limits, key=lambda lim: lim[0])
             grants = []
-            for _ in range(max(want, 0)):
-                prompt_id = self._next_prompt_locked()
-                if prompt_id is None:
+            for _ in range(want):
+                lease = ledger.issue(actor.actor_id, self._clock())
+                if lease is None:
                     denial = "data_exhausted"
                     break
-                grants.append(self._grant_locked(actor, prompt_id))
+                actor.lease_ids.add(lease.lease_id)
+                self._count("leases_issued")
+                grants.append(ledger.grant(lease))
             if denial:
                 self._count(f"lease_denied/{denial}")
             retry = 0.0 if denial in ("", "weights_too_old") else self.lease_retry_after_s
@@ -254,7 +227,7 @@ class Coordinator:
             returned = 0
             for lease_id in lease_ids:
                 if lease_id in actor.lease_ids:
-                    self._reissue_locked(self._active[lease_id], "leases_returned")
+                    self._reissue_locked(self.ledger.active[lease_id], "leases_returned")
                     returned += 1
             return returned
 
@@ -269,7 +242,7 @@ class Coordinator:
         with self._lock:
             # No expiry pass here: a lease past its deadline but not yet re-issued is still the
             # only lease of its prompt, so accepting its group keeps exactly-once (and is cheap).
-            lease = self._active.get(lease_id)
+            lease = self.ledger.active.get(lease_id)
             if lease is None:
                 self._count("groups_late")
                 return "lease_not_active"
@@ -277,45 +250,33 @@ class Coordinator:
                 self._count("groups_mismatched")
                 return "lease_mismatch"
             if not invalid:
-                leased = np.asarray(self.source.get(prompt_id % self._num_rows)[0], dtype=np.int64)
+                leased = self.ledger.prompt_token_ids(prompt_id)
                 if not np.array_equal(leased, prompt_token_ids):
                     invalid = "prompt_mismatch"
                     detail = (f"{len(prompt_token_ids)} prompt token ids that differ from the lease's "
                               f"{len(leased)} (prompt {prompt_id})")
             if invalid:
-                self._reject_locked(lease, invalid, detail)
+                self._reissue_locked(lease, f"groups_rejected/{invalid}")
+                self.registry.record_rejection(actor_id, invalid, detail)
                 return invalid
-            self._end_lease_locked(lease)
-            self._queued.add(prompt_id)
-            actor = self._actors.get(actor_id)
+            self._end_lease_locked(lease, accepted=True)
+            actor = self.registry.actors.get(actor_id)
             if actor is not None:
                 actor.last_seen_s = self._clock()
             self._count("leases_completed")
             return ""
 
-    def drop_filtered(self, prompt_id: int) -> None:
-        """Dynamic sampling dropped the queued group: the prompt is done, its slot is free."""
+    def settle(self, prompt_ids: Sequence[int], outcome: str) -> None:
+        """What became of accepted (queued) groups, reported by the replay queue: ``outcome`` is
+        'filtered' (dynamic sampling dropped it: done, its slot free), 'stale' (too old at
+        consumption, or from the future: its prompt re-issued first, its slot free) or 'trained'
+        (handed to the learner)."""
+        if outcome not in SETTLED:
+            raise ValueError(f"settle: outcome {outcome!r}, expected one of {SETTLED}")
         with self._lock:
-            self._queued.remove(prompt_id)
-            self._filtered.add(prompt_id)
-            self._count("groups_filtered")
-
-    def requeue_stale(self, prompt_id: int) -> None:
-        """The queued group was too stale at consumption: re-issue the prompt, free its slot."""
-        with self._lock:
-            self._queued.remove(prompt_id)
-            self._pending.appendleft(prompt_id)
-            self._count("groups_requeued_stale")
-
-    def mark_trained(self, prompt_ids: Sequence[int]) -> None:
-        """These queued groups were handed to the learner."""
-        with self._lock:
-            for prompt_id in prompt_ids:
-                assert prompt_id in self._queued and prompt_id not in self._trained, prompt_id
-            for prompt_id in prompt_ids:
-                self._queued.remove(prompt_id)
-                self._trained.add(prompt_id)
-            self._count("groups_trained", len(prompt_ids))
+            self.ledger.settle(prompt_ids, outcome)
+            name = {"filtered": "groups_filtered", "stale": "groups_requeued_stale", "trained": "groups_trained"}
+            self._count(name[outcome], len(prompt_ids))
 
     # ------------------------------------------------------------------ introspection
 
@@ -326,92 +287,38 @@ class Coordinator:
     def status(self) -> dict[str, Any]:
         with self._lock:
             self._expire_locked()
-            now = self._clock()
+            ledger = self.ledger
             return {
-                "run_id": self.run_id, "version": self._version, "epoch": self._cursor.epoch,
-                "active_leases": len(self._active), "pending_reissue": len(self._pending),
-                "queued_groups": len(self._queued), "trained_groups": len(self._trained),
-                "shutdown": self._shutdown,
-                "actors": [{"actor_id": a.actor_id, "name": a.name, "weight_version": a.weight_version,
-                            "last_seen_age_s": now - a.last_seen_s, "active_leases": len(a.lease_ids),
-                            "counters": dict(a.counters), "capabilities": dict(a.capabilities),
-                            "groups_rejected": sum(a.rejected.values()),
-                            "last_rejected_reason": a.last_rejected_reason}
-                           for a in self._actors.values()],
-                "counters": dict(self._counters),
+                "run_id": self.run_id, "version": self._version, "epoch": ledger.cursor.epoch,
+                "active_leases": len(ledger.active), "pending_reissue": len(ledger.pending),
+                "queued_groups": len(ledger.queued), "trained_groups": len(ledger.trained),
+                "shutdown": self._shutdown, "actors": self.registry.status(), "counters": dict(self._counters),
             }
 
     def trained_prompt_ids(self) -> set[int]:
         with self._lock:
-            return set(self._trained)
+            return set(self.ledger.trained)
 
     def audit(self) -> dict[str, int]:
-        """Exactly-once books of every prompt the cursor has handed out, in prompts.
-
-        ``issued`` = prompts the cursor gave out; each must be in exactly one state: ``trained``,
-        ``filtered`` (dynamic sampling), ``pending`` (waiting for re-issue), ``in_flight`` (an
-        active lease) or ``queued`` (accepted, not yet trained). ``lost`` = issued prompts in no
-        state; ``duplicates`` = prompts in more than one state (or twice in ``pending``);
-        ``unknown`` = prompts in a state that the cursor never issued. All three must be 0.
-        """
+        """``PromptLedger.audit``: every issued prompt in exactly one state."""
         with self._lock:
-            states = (self._trained, self._filtered, list(self._pending), self._active_prompts, self._queued)
-            issued = self._cursor.issued()
-            accounted: set[int] = set().union(*states)
-            return {
-                "issued": len(issued), "trained": len(self._trained), "filtered": len(self._filtered),
-                "pending": len(self._pending), "in_flight": len(self._active_prompts), "queued": len(self._queued),
-                "lost": len(issued - accounted), "duplicates": sum(len(s) for s in states) - len(accounted),
-                "unknown": len(accounted - issued),
-            }
+            return self.ledger.audit()
+
+    audit_state = staticmethod(PromptLedger.audit_state)
 
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain ints and lists. Active leases and queued (not yet trained) groups are saved as
-        pending prompts: after a restart they are re-issued, so nothing is lost."""
+        """The ledger's state (active leases and queued groups saved as pending), the version
+        and the counters: plain ints and lists."""
         with self._lock:
-            active = sorted(lease.prompt_id for lease in self._active.values())
-            return {
-                "format": STATE_FORMAT, "num_rows": self._num_rows, "seed": self.seed, "shuffle": self.shuffle,
-                "version": self._version, "epoch": self._cursor.epoch, "position": self._cursor.position,
-                "next_lease_id": self._next_lease_id,
-                "pending": sorted(self._queued) + active + list(self._pending),
-                "trained": sorted(self._trained), "filtered": sorted(self._filtered),
-                "counters": dict(self._counters),
-            }
+            return {**self.ledger.state_dict(), "version": self._version, "counters": dict(self._counters)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self._lock:
-            if state["format"] != STATE_FORMAT:
-                raise ValueError(f"coordinator state format {state['format']}, expected {STATE_FORMAT}")
-            if state["num_rows"] != self._num_rows or state["seed"] != self.seed or state["shuffle"] != self.shuffle:
-                raise ValueError(
-                    f"coordinator checkpoint was written for {state['num_rows']} prompts (seed {state['seed']}, "
-                    f"shuffle {state['shuffle']}), this run has {self._num_rows} (seed {self.seed}, shuffle "
-                    f"{self.shuffle}); resume with the same data.train_path and run.seed")
-            if self._active or self._queued or self._trained:
-                raise RuntimeError("load_state_dict: call before any lease is issued")
-            self._version = state["version"]
-            self._cursor.epoch, self._cursor.position = state["epoch"], state["position"]
-            self._publishing = self._version
-            self._next_lease_id = state["next_lease_id"]
-            self._pending = deque(int(p) for p in state["pending"])
-            self._trained = {int(p) for p in state["trained"]}
-            # Checkpoints written before the audit existed lack "filtered" (audit() then reports
-            # those prompts as lost; training itself does not need them).
-            self._filtered = {int(p) for p in state["filtered"]} if "filtered" in state else set()
+            self.ledger.load_state_dict(state)
+            self._version = self._publishing = state["version"]
             self._counters = dict(state["counters"])
-
-    @classmethod
-    def audit_state(cls, state: dict[str, Any]) -> dict[str, int]:
-        """``audit()`` of a saved ``state_dict()`` (e.g. a checkpoint's run_state.json), no data needed.
-        Its active leases and queued groups were saved as pending."""
-        coord = cls(RowCount(int(state["num_rows"])), num_prompts_per_step=1, max_staleness_steps=0,
-                    queue_max_groups=1, heartbeat_timeout_s=1.0, lease_timeout_s=1.0, seed=state["seed"],
-                    shuffle=state["shuffle"])
-        coord.load_state_dict(state)
-        return coord.audit()
 
     # ------------------------------------------------------------------ internals
 
@@ -420,46 +327,35 @@ class Coordinator:
 
     def _touch(self, actor_id: int) -> ActorInfo:
         self._expire_locked()
-        actor = self._actors.get(actor_id)
-        if actor is None:
+        try:
+            return self.registry.touch(actor_id)
+        except UnknownActor:
             self._count("unknown_actor_calls")
-            raise UnknownActor(actor_id)
-        actor.last_seen_s = self._clock()
-        return actor
+            raise
 
     def _expire_locked(self) -> None:
-        now = self._clock()
-        for actor in [a for a in self._actors.values() if now - a.last_seen_s > self.heartbeat_timeout_s]:
+        for actor in self.registry.silent():
             self._drop_actor_locked(actor, "leases_expired_heartbeat")
             self._count("actors_expired")
-        # _active is in issue order (dicts keep insertion order), so the timed-out leases are a
-        # prefix: this stays O(expired), not O(active), on every call.
-        expired = []
-        for lease in self._active.values():
-            if now - lease.issued_at_s <= self.lease_timeout_s:
-                break
-            expired.append(lease)
-        for lease in expired:
+        for lease in self.ledger.timed_out(self._clock(), self.lease_timeout_s):
             self._reissue_locked(lease, "leases_expired_timeout")
 
     def _drop_actor_locked(self, actor: ActorInfo, counter: str) -> int:
         n = len(actor.lease_ids)
         for lease_id in sorted(actor.lease_ids):
-            self._reissue_locked(self._active[lease_id], counter)
-        del self._actors[actor.actor_id]
+            self._reissue_locked(self.ledger.active[lease_id], counter)
+        del self.registry.actors[actor.actor_id]
         self._actors_changed.notify_all()
         return n
 
-    def _end_lease_locked(self, lease: Lease) -> None:
-        del self._active[lease.lease_id]
-        self._active_prompts.discard(lease.prompt_id)
-        actor = self._actors.get(lease.actor_id)
+    def _end_lease_locked(self, lease: Lease, *, accepted: bool) -> None:
+        self.ledger.end(lease, accepted=accepted)
+        actor = self.registry.actors.get(lease.actor_id)
         if actor is not None:
             actor.lease_ids.discard(lease.lease_id)
 
     def _reissue_locked(self, lease: Lease, counter: str) -> None:
-        self._end_lease_locked(lease)
-        self._pending.append(lease.prompt_id)
+        self._end_lease_locked(lease, accepted=False)
         self._count(counter)
 
     def _reclaim_reply_locked(self, actor: ActorInfo) -> None:
@@ -467,32 +363,5 @@ class Coordinator:
         assert actor.last_reply is not None
         for grant in actor.last_reply.result.leases:
             if grant.lease_id in actor.lease_ids:
-                self._reissue_locked(self._active[grant.lease_id], "leases_returned_unreceived")
+                self._reissue_locked(self.ledger.active[grant.lease_id], "leases_returned_unreceived")
         actor.last_reply = None
-
-    def _reject_locked(self, lease: Lease, reason: str, detail: str) -> None:
-        self._reissue_locked(lease, f"groups_rejected/{reason}")
-        actor = self._actors.get(lease.actor_id)
-        if actor is None:
-            return
-        actor.rejected[reason] = actor.rejected.get(reason, 0) + 1
-        actor.last_rejected_reason = reason
-        if actor.rejected[reason] == 1:  # once per reason and actor: a broken actor repeats itself
-            log.warning("replay queue: dropped a group of actor %r (id %d): %s: %s. Its prompt is re-issued; "
-                        "later drops of this actor for this reason are only counted (coordinator "
-                        "groups_rejected/%s). Does the actor run the learner's model and config?",
-                        actor.name, actor.actor_id, reason, detail, reason)
-
-    def _grant_locked(self, actor: ActorInfo, prompt_id: int) -> LeaseGrant:
-        token_ids, data_source, ground_truth = self.source.get(prompt_id % self._num_rows)
-        assert prompt_id not in self._active_prompts and prompt_id not in self._queued, prompt_id
-        lease = Lease(self._next_lease_id, prompt_id, actor.actor_id, self._clock())
-        self._next_lease_id += 1
-        self._active[lease.lease_id] = lease
-        self._active_prompts.add(prompt_id)
-        actor.lease_ids.add(lease.lease_id)
-        self._count("leases_issued")
-        return LeaseGrant(lease.lease_id, prompt_id, [int(t) for t in token_ids], str(data_source), str(ground_truth))
-
-    def _next_prompt_locked(self) -> int | None:
-        return self._pending.popleft() if self._pending else self._cursor.next()

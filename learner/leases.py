@@ -1,4 +1,4 @@
-"""The coordinator's records (actors, leases, results) and the rules of the idempotent Lease.
+"""The coordinator's records (leases, results) and the rules of the idempotent Lease.
 
 A Lease reply lost after the grant (deadline, broken connection) must not strand its prompts
 for lease_timeout_s: at k = 0 they hold every slot and the run stalls. An actor numbers its
@@ -31,23 +31,11 @@ wasted work but never a prompt trained twice or lost.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import NamedTuple
 
 LEASE_DENIALS = ("staleness_bound", "weights_too_old", "data_exhausted", "queue_full", "shutting_down")
 """Why ``lease`` granted fewer prompts than asked ("" = all granted)."""
-
-
-class UnknownActor(KeyError):
-    """The actor id is not registered (never was, declared dead, or from a previous learner run)."""
-
-    def __init__(self, actor_id: int) -> None:
-        super().__init__(actor_id)
-        self.actor_id = actor_id
-
-    def __str__(self) -> str:
-        return (f"actor {self.actor_id} is not registered with this coordinator (it missed heartbeats, "
-                f"left, or registered with a previous learner run): call Register again")
 
 
 @dataclass(frozen=True)
@@ -104,21 +92,6 @@ class LeaseReply:
         if last_received_request_id == self.request_id:
             self.acknowledged = True
         return not self.acknowledged and now_s - self.sent_at_s > timeout_s
-
-
-@dataclass
-class ActorInfo:
-    actor_id: int
-    name: str
-    capabilities: dict[str, Any]
-    weight_version: int
-    last_seen_s: float
-    lease_ids: set[int] = field(default_factory=set)
-    counters: dict[str, int] = field(default_factory=dict)
-    rejected: dict[str, int] = field(default_factory=dict)
-    """Groups dropped as invalid, per reason."""
-    last_rejected_reason: str = ""
-    last_reply: LeaseReply | None = None
 
 
 @dataclass

@@ -4,7 +4,8 @@
  actors --ZMQ PUSH--> [PULL socket, RCVHWM] --receiver thread--> decode_group (auth, validate)
                                                    │  run id, fits the run (GroupLimits),
                                                    │  lease + prompt ids (coordinator.complete_lease),
-                                                   │  version sanity, dynamic-sampling filter
+                                                   │  version sanity (learner/admission.py),
+                                                   │  dynamic-sampling filter
                                                    ▼
                        ReplayBuffer: deque of <= queue_max_groups decoded groups
                                                    │  get_batch(): staleness check at consumption
@@ -19,8 +20,10 @@ decodes but does not fit the run (``GroupLimits``: the learner would crash on an
 id, or train on the wrong shape) or whose prompt ids are not the lease's is rejected: its lease
 ends and the prompt is re-issued, so the learner never sees it and exactly once holds.
 
-Groups held at consumption that are older than k versions are dropped and their prompts
-re-issued (``stale_at_consumption``); the staleness of every consumed group goes into a
+What becomes of an accepted group goes to the coordinator's ledger through one call,
+``coordinator.settle`` (filtered, stale, trained). Groups held at consumption that are older than
+k versions (``Admission.fresh_at_consumption``) are dropped and their prompts re-issued
+(``stale_at_consumption``); the staleness of every consumed group goes into a
 histogram (``staleness/<k>``). One exception to "counted": a single frame larger than
 ``max_message_bytes`` never reaches us, since libzmq (MAXMSGSIZE) drops the sender's connection
 instead; that actor's lease then times out.
@@ -96,12 +99,12 @@ class GroupLimits:
 class ReplayBuffer:
     """Admission, holding and batching of decoded groups. Thread-safe."""
 
-    def __init__(self, coordinator: Coordinator, *, num_groups_per_batch: int, max_staleness_steps: int,
-                 max_groups: int, dynamic_filter: DynamicSamplingFilter, limits: GroupLimits) -> None:
+    def __init__(self, coordinator: Coordinator, *, max_groups: int, dynamic_filter: DynamicSamplingFilter,
+                 limits: GroupLimits) -> None:
+        """Batches of N groups, N and the staleness bound k from ``coordinator.admission``."""
         self.coordinator = coordinator
+        self.admission = coordinator.admission
         self.limits = limits
-        self.num_groups_per_batch = num_groups_per_batch
-        self.max_staleness_steps = max_staleness_steps
         self.max_groups = max_groups
         self.filter = dynamic_filter
         self._groups: deque[TrajectoryGroup] = deque()
@@ -152,11 +155,8 @@ class ReplayBuffer:
         if reason:
             return self._drop(reason)
         # From here the lease is complete and the prompt queued: every path must settle it.
-        newest = int(group.versions.max())
-        if group.version_changes.shape[0]:
-            newest = max(newest, int(group.version_changes[:, 2].max()))
-        if newest > coord.newest_version:
-            coord.requeue_stale(group.prompt_id)
+        if self.admission.from_the_future(group, coord.newest_version):
+            coord.settle([group.prompt_id], "stale")
             return self._drop("future_version")
         with self._cond:  # the filter's state is shared with take_batch
             try:
@@ -165,7 +165,7 @@ class ReplayBuffer:
                 keep, self._stalled = False, exc
                 self._cond.notify_all()
             if not keep:
-                coord.drop_filtered(group.prompt_id)
+                coord.settle([group.prompt_id], "filtered")
             else:
                 self._groups.append(group)
                 self.max_depth_groups = max(self.max_depth_groups, len(self._groups))
@@ -181,16 +181,17 @@ class ReplayBuffer:
         TimeoutError after ``timeout_s`` (groups taken so far go back) or DynamicSamplingStalled."""
         deadline = time.monotonic() + timeout_s
         batch: list[TrajectoryGroup] = []
+        coord, n = self.coordinator, self.admission.num_groups_per_step
         with self._cond:
-            while len(batch) < self.num_groups_per_batch:
+            while len(batch) < n:
                 if self._stalled is not None:
                     self._groups.extendleft(reversed(batch))
                     exc, self._stalled = self._stalled, None
                     raise exc
                 if self._groups:
                     group = self._groups.popleft()
-                    if self.coordinator.version - group.min_version > self.max_staleness_steps:
-                        self.coordinator.requeue_stale(group.prompt_id)
+                    if not self.admission.fresh_at_consumption(group.min_version, coord.version):
+                        coord.settle([group.prompt_id], "stale")
                         self.count("dropped/stale_at_consumption")
                         self.filter.unkeep()  # kept, but never batched: not pending, not in the stats
                         self._cond.notify_all()
@@ -201,17 +202,17 @@ class ReplayBuffer:
                 if remaining <= 0 or self._closed:
                     self._groups.extendleft(reversed(batch))
                     raise TimeoutError(
-                        f"replay queue: {len(batch)}/{self.num_groups_per_batch} groups after {timeout_s:.1f} s "
+                        f"replay queue: {len(batch)}/{n} groups after {timeout_s:.1f} s "
                         f"(counters {self.counts}); are actors running and registered? see the coordinator "
                         f"Status for leases and denials, or raise learner.batch_wait_timeout_s")
-                self._want = self.num_groups_per_batch - len(batch)
+                self._want = n - len(batch)
                 self._cond.wait(remaining)
                 self._want = 0
-            version = self.coordinator.version
+            version = coord.version
             for group in batch:
                 staleness = version - group.min_version
                 self.staleness_hist[staleness] = self.staleness_hist.get(staleness, 0) + 1
-            self.coordinator.mark_trained([g.prompt_id for g in batch])
+            coord.settle([g.prompt_id for g in batch], "trained")
             if self.filter.batch_full:
                 self.last_filter_stats = self.filter.take_batch()
             self._cond.notify_all()
@@ -261,16 +262,15 @@ class ReplayQueue:
     def __init__(self, cfg: DapoConfig, coordinator: Coordinator, *, vocab_size: int,
                  dynamic_filter: DynamicSamplingFilter | None = None) -> None:
         """``vocab_size``: the model's vocabulary size (its embedding rows), for GroupLimits."""
-        t, a = cfg.transport, cfg.algorithm
+        t = cfg.transport
         self.auth_token = t.auth_token
         self.max_message_bytes = t.max_message_bytes
         self.host, self.port = t.host, t.zmq_port
         self.curve_keys = (t.curve_server_secret_key, t.curve_server_public_key)
         self.rpc_timeout_s = t.rpc_timeout_s
         self.buffer = ReplayBuffer(
-            coordinator, num_groups_per_batch=a.num_prompts_per_step, max_staleness_steps=a.max_staleness_steps,
-            max_groups=t.queue_max_groups, dynamic_filter=dynamic_filter or DynamicSamplingFilter.from_config(a),
-            limits=GroupLimits.from_config(cfg, vocab_size))
+            coordinator, max_groups=t.queue_max_groups, limits=GroupLimits.from_config(cfg, vocab_size),
+            dynamic_filter=dynamic_filter or DynamicSamplingFilter.from_config(cfg.algorithm))
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._thread: threading.Thread | None = None

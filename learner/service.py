@@ -27,7 +27,8 @@ import grpc
 
 from dapo.config import DapoConfig
 from learner.coordinator import Coordinator
-from learner.leases import LEASE_DENIALS, UnknownActor
+from learner.leases import LEASE_DENIALS
+from learner.registry import UnknownActor
 from protos import AUTH_METADATA_KEY
 from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc

@@ -53,8 +53,7 @@ def make_group(coord: Coordinator, grant, actor_id: int, version: int, acc=(1.0,
 
 def make_buffer(coord: Coordinator, max_groups: int = 100, enabled: bool = True) -> ReplayBuffer:
     """Groups of make_group fit: G = 2, 2 tokens per response, ids below 1024 (TinySource rows)."""
-    return ReplayBuffer(coord, num_groups_per_batch=coord.num_prompts_per_step,
-                        max_staleness_steps=coord.max_staleness_steps, max_groups=max_groups,
+    return ReplayBuffer(coord, max_groups=max_groups,
                         dynamic_filter=DynamicSamplingFilter(coord.num_prompts_per_step, 0, enabled=enabled),
                         limits=GroupLimits(vocab_size=1024, num_samples_per_prompt=2, max_response_tokens=8))
 
@@ -444,3 +443,22 @@ def test_replay_counters_survive_a_checkpoint_round_trip() -> None:
     before, after = buf.snapshot(), resumed.snapshot()
     assert after["accepted"] == 2.0 and after["staleness/1"] == 2.0
     assert {k: v for k, v in after.items() if "depth" not in k} == {k: v for k, v in before.items() if "depth" not in k}
+
+
+def test_settle_moves_queued_groups_to_their_outcome_and_refuses_others() -> None:
+    coord = make(N=4, k=0)
+    actor = coord.register("a")
+    grants = coord.lease(actor, 3, 0).leases
+    for g in grants:
+        assert coord.complete_lease(g.lease_id, actor, g.prompt_id, np.array(g.prompt_token_ids)) == ""
+    p = [g.prompt_id for g in grants]
+    coord.settle([p[0]], "filtered")
+    coord.settle([p[1]], "stale")
+    coord.settle([p[2]], "trained")
+    assert coord.audit() | {"issued": 0} == {"issued": 0, "trained": 1, "filtered": 1, "pending": 1, "in_flight": 0,
+                                             "queued": 0, "lost": 0, "duplicates": 0, "unknown": 0}
+    assert coord.lease(actor, 1, 0).leases[0].prompt_id == p[1]  # the stale one is re-issued first
+    with pytest.raises(ValueError, match="outcome 'rejected'"):
+        coord.settle([p[0]], "rejected")
+    counters = coord.counters()
+    assert (counters["groups_filtered"], counters["groups_requeued_stale"], counters["groups_trained"]) == (1, 1, 1)

@@ -54,8 +54,7 @@ def group(coord: Coordinator, grant, actor: int, acc: tuple[float, ...]) -> Traj
 def test_every_state_is_counted_and_nothing_is_lost_across_epochs_and_a_dead_actor() -> None:
     clock = Clock()
     coord = make(n_rows=6, clock=clock)
-    buf = ReplayBuffer(coord, num_groups_per_batch=2, max_staleness_steps=100, max_groups=100,
-                       dynamic_filter=DynamicSamplingFilter(2, 0), limits=LIMITS)
+    buf = ReplayBuffer(coord, max_groups=100, dynamic_filter=DynamicSamplingFilter(2, 0), limits=LIMITS)
     a, b = coord.register("a"), coord.register("b")
     grants = coord.lease(a, 8, 0).leases  # 8 > 6 rows: the cursor enters epoch 1
     assert [g.prompt_id // 6 for g in grants] == [0] * 6 + [1] * 2
@@ -82,18 +81,17 @@ def test_a_leaked_a_duplicated_and_a_foreign_prompt_are_reported() -> None:
     actor = coord.register("a")
     grants = coord.lease(actor, 3, 0).leases
     with coord._lock:  # break the books on purpose: the audit must notice each fault
-        coord._active.pop(grants[0].lease_id)
-        coord._active_prompts.discard(grants[0].prompt_id)  # leaked: in no state
-        coord._trained.add(grants[1].prompt_id)  # in flight and trained at once
-        coord._pending.append(10_000)  # never issued by the cursor
+        coord.ledger.active.pop(grants[0].lease_id)
+        coord.ledger.active_prompts.discard(grants[0].prompt_id)  # leaked: in no state
+        coord.ledger.trained.add(grants[1].prompt_id)  # in flight and trained at once
+        coord.ledger.pending.append(10_000)  # never issued by the cursor
     report = coord.audit()
     assert (report["lost"], report["duplicates"], report["unknown"]) == (1, 1, 1)
 
 
 def test_old_checkpoints_without_filtered_report_the_filtered_prompts_as_lost() -> None:
     coord = make()
-    buf = ReplayBuffer(coord, num_groups_per_batch=2, max_staleness_steps=100, max_groups=100,
-                       dynamic_filter=DynamicSamplingFilter(2, 0), limits=LIMITS)
+    buf = ReplayBuffer(coord, max_groups=100, dynamic_filter=DynamicSamplingFilter(2, 0), limits=LIMITS)
     actor = coord.register("a")
     grant = coord.lease(actor, 1, 0).leases[0]
     buf.admit(group(coord, grant, actor, (0.0, 0.0)))

@@ -90,7 +90,7 @@ def test_rejections_are_logged_once_per_reason_and_actor_with_its_name(caplog) -
     buf = make_buffer(coord)
     actor = coord.register("actor-seven")
     grants = coord.lease(actor, 5, 0).leases
-    with caplog.at_level(logging.WARNING, logger="learner.coordinator"):
+    with caplog.at_level(logging.WARNING, logger="learner.registry"):
         results = [buf.admit(spoil(make_group(coord, g, actor, 0)))
                    for spoil, g in zip([out_of_vocab, out_of_vocab, out_of_vocab, three_samples, three_samples], grants)]
     assert results == ["token_out_of_vocab"] * 3 + ["group_size"] * 2
