@@ -1,7 +1,9 @@
 """The actor's two connections to the learner: the coordinator (gRPC) and the replay queue (ZMQ).
 
-Every gRPC call carries the auth token (metadata ``x-dapo-token``) and a deadline; failures
-map onto the three things the actor loop does about them:
+``CoordinatorClient`` is the one gRPC client of ``dapo.v1.Coordinator``, for actors, tools and
+tests (the weight client fetches through it too). Every call carries the auth token (metadata
+``protos.AUTH_METADATA_KEY``) and a deadline; failures raise a ``CoordinatorError`` (``code``: the
+gRPC status), of a kind that says what the actor loop does about it:
 
 - ``LearnerUnavailable`` (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED): the learner is
   down, restarting or shedding load; wait with backoff and retry.
@@ -21,79 +23,80 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import grpc
 import torch
 import zmq
 
 from protos import AUTH_METADATA_KEY
+from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
 
-class LearnerUnavailable(ConnectionError):
+class CoordinatorError(RuntimeError):
+    """A Coordinator call failed; ``code`` is its grpc.StatusCode (None: no call was answered)."""
+
+    def __init__(self, message: str, *, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class LearnerUnavailable(CoordinatorError, ConnectionError):
     """The learner did not answer within the deadline (down, starting or restarting)."""
 
 
-class SessionLost(RuntimeError):
+class SessionLost(CoordinatorError):
     """The coordinator does not know this actor id any more: register again."""
 
 
-class AuthError(PermissionError):
+class AuthError(CoordinatorError, PermissionError):
     """The learner rejected the auth token."""
 
 
 class LeaseNumbers:
-    """The actor's half of the idempotent Lease: numbers per registration (actor id), the
-    number of a call that got no reply reused by the next call, the last number answered.
+    """The actor's half of the idempotent Lease, per actor id (a registration): numbers from 1,
+    the number of a call that got no reply reused by the next call, the last number answered.
     Thread-safe (Lease calls come from the loop, Heartbeats from their own thread)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._actor_id = 0
-        self._last_used = 0
-        self._unanswered = 0
-        self._received = 0
+        self._sessions: dict[int, list[int]] = {}  # actor id -> [last used, unanswered, received]
 
-    def _session(self, actor_id: int) -> None:
-        if actor_id != self._actor_id:  # a new registration numbers from 1 again
-            self._actor_id, self._last_used, self._unanswered, self._received = actor_id, 0, 0, 0
-
-    def stamp_lease(self, request) -> None:
+    def stamp_lease(self, request: pb.LeaseRequest) -> None:
         """Number an unnumbered LeaseRequest: a retry of an unanswered call keeps its number."""
         with self._lock:
-            self._session(request.actor_id)
+            numbers = self._sessions.setdefault(request.actor_id, [0, 0, 0])
             if not request.request_id:
-                if not self._unanswered:
-                    self._last_used += 1
-                    self._unanswered = self._last_used
-                request.request_id = self._unanswered
-            request.last_received_request_id = self._received
+                if not numbers[1]:
+                    numbers[0] += 1
+                    numbers[1] = numbers[0]
+                request.request_id = numbers[1]
+            request.last_received_request_id = numbers[2]
 
-    def answered(self, request) -> None:
+    def answered(self, request: pb.LeaseRequest) -> None:
         with self._lock:
-            if request.actor_id == self._actor_id:
-                self._received = request.request_id
-                if self._unanswered == request.request_id:
-                    self._unanswered = 0
+            numbers = self._sessions.setdefault(request.actor_id, [0, 0, 0])
+            numbers[2] = request.request_id
+            if numbers[1] == request.request_id:
+                numbers[1] = 0
 
-    def stamp_heartbeat(self, request) -> None:
-        # Read only: the heartbeat thread of a session that just ended must not reset the numbers
-        # of the new one (a restarted count would make a fresh call look like a retry).
+    def stamp_heartbeat(self, request: pb.HeartbeatRequest) -> None:
+        # Read only: the heartbeat thread of a session that just ended must not touch the numbers.
         with self._lock:
-            same = request.actor_id == self._actor_id
-            request.last_received_lease_request_id = self._received if same else 0
+            request.last_received_lease_request_id = self._sessions.get(request.actor_id, [0, 0, 0])[2]
 
 
 class CoordinatorClient:
     """Typed, deadline-bound calls to the Coordinator service of ``address`` (``host:port``)."""
 
-    def __init__(self, address: str, auth_token: str, rpc_timeout_s: float, *,
-                 max_message_bytes: int, reconnect_backoff_max_s: float) -> None:
+    def __init__(self, address: str, auth_token: str, timeout_s: float, *, max_message_bytes: int = 64 << 20,
+                 reconnect_backoff_max_s: float = 5.0) -> None:
+        """``timeout_s``: the deadline of every call unless the call names its own."""
         self.address = address
-        self.rpc_timeout_s = rpc_timeout_s
+        self.rpc_timeout_s = timeout_s
         self._metadata = ((AUTH_METADATA_KEY, auth_token),)
         # gRPC's own reconnect backoff grows to 120 s by default: an actor started long before
         # its learner would then keep failing fast for minutes after the learner came up.
@@ -108,7 +111,7 @@ class CoordinatorClient:
         self.lease_numbers = LeaseNumbers()
         self._rejected_seen: tuple[int, int] = (0, 0)  # (actor id, groups_rejected logged so far)
 
-    def call(self, method: str, request, timeout_s: float | None = None):
+    def call(self, method: str, request: Any, timeout_s: float | None = None) -> Any:
         """``stub.<method>(request)`` with the token and a deadline; errors mapped (see module doc).
         Lease requests are numbered and Heartbeat requests acknowledge (module doc)."""
         if method == "Lease":
@@ -126,7 +129,44 @@ class CoordinatorClient:
             self._report_rejections(request.actor_id, response)
         return response
 
-    def _report_rejections(self, actor_id: int, response) -> None:
+    def fetch_weights(self, request: pb.FetchWeightsRequest, timeout_s: float) -> Iterator[pb.WeightChunk]:
+        """The FetchWeights stream; ``timeout_s`` bounds the whole stream."""
+        try:
+            yield from self.stub.FetchWeights(request, timeout=timeout_s, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise map_rpc_error("FetchWeights", self.address, exc) from None
+
+    def wait_ready(self, timeout_s: float) -> None:
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
+        except grpc.FutureTimeoutError:
+            raise LearnerUnavailable(f"connect to {self.address}: DEADLINE_EXCEEDED (channel not ready after "
+                                     f"{timeout_s:g} s); is the learner running?",
+                                     code=grpc.StatusCode.DEADLINE_EXCEEDED) from None
+
+    def register(self, name: str, engine: str = "", supports_inflight: bool = False,
+                 weight_paths: tuple[str, ...] = ("network",)) -> pb.RegisterResponse:
+        caps = pb.Capabilities(engine=engine, supports_inflight=supports_inflight, weight_paths=list(weight_paths))
+        return self.call("Register", pb.RegisterRequest(actor_name=name, capabilities=caps))
+
+    def heartbeat(self, actor_id: int, weight_version: int, **counters: int) -> pb.HeartbeatResponse:
+        return self.call("Heartbeat", pb.HeartbeatRequest(actor_id=actor_id, weight_version=weight_version,
+                                                          counters=pb.ActorCounters(**counters)))
+
+    def lease(self, actor_id: int, num_prompts: int, weight_version: int) -> pb.LeaseResponse:
+        return self.call("Lease", pb.LeaseRequest(actor_id=actor_id, num_prompts=num_prompts,
+                                                  weight_version=weight_version))
+
+    def return_leases(self, actor_id: int, lease_ids: list[int]) -> pb.ReturnLeasesResponse:
+        return self.call("ReturnLeases", pb.ReturnLeasesRequest(actor_id=actor_id, lease_ids=lease_ids))
+
+    def leave(self, actor_id: int) -> pb.LeaveResponse:
+        return self.call("Leave", pb.LeaveRequest(actor_id=actor_id))
+
+    def status(self) -> pb.StatusResponse:
+        return self.call("Status", pb.StatusRequest())
+
+    def _report_rejections(self, actor_id: int, response: pb.HeartbeatResponse) -> None:
         seen_actor, seen = self._rejected_seen
         seen = seen if seen_actor == actor_id else 0
         if response.groups_rejected > seen:
@@ -139,21 +179,29 @@ class CoordinatorClient:
     def close(self) -> None:
         self._channel.close()
 
+    def __enter__(self) -> "CoordinatorClient":
+        return self
 
-def map_rpc_error(method: str, address: str, exc: grpc.RpcError) -> Exception:
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def map_rpc_error(method: str, address: str, exc: grpc.RpcError) -> CoordinatorError:
     """The loop's exception for a failed call (see the module docstring)."""
     code, details = exc.code(), exc.details()
+    where = f"{method} to {address}"
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
-        return LearnerUnavailable(f"{method} to {address}: {code.name} ({details})")
+        return LearnerUnavailable(f"{where}: {code.name} ({details}); is the learner running, and are "
+                                  "transport.host/grpc_port right?", code=code)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the server's concurrent-RPC cap: overload, transient
-        return LearnerUnavailable(f"{method} to {address}: {code.name} ({details}); if it persists, the "
-                                  "message may exceed transport.max_message_bytes")
+        return LearnerUnavailable(f"{where}: {code.name} ({details}); if it persists, the message may exceed "
+                                  "transport.max_message_bytes", code=code)
     if code == grpc.StatusCode.NOT_FOUND:
-        return SessionLost(f"{method} to {address}: {details}")
+        return SessionLost(f"{where}: {details}", code=code)
     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-        return AuthError(f"{method} to {address} was rejected ({code.name}: {details}); the actor's "
-                         "transport.auth_token must equal the learner's")
-    return RuntimeError(f"{method} to {address} failed: {code.name}: {details}")
+        return AuthError(f"{where} was rejected ({code.name}: {details}); the actor's transport.auth_token "
+                         "must equal the learner's", code=code)
+    return CoordinatorError(f"{where} failed: {code.name}: {details}", code=code)
 
 
 class GroupPusher:
@@ -191,8 +239,8 @@ class GroupPusher:
 
 def network_fetcher(address: str, auth_token: str, timeout_s: float
                     ) -> tuple[Callable[[int], tuple[int, dict[str, torch.Tensor]]], Callable[[], None]]:
-    """(fetch(actor_id) -> (version, state_dict), close) over the network weight path, with
-    failures mapped like the coordinator calls (nothing published yet: LearnerUnavailable)."""
+    """(fetch(actor_id) -> (version, state_dict), close) over the network weight path; gRPC
+    failures raise as from any call (nothing published yet: LearnerUnavailable)."""
     from actors.weight_client import NetworkWeightClient, WeightFetchError
 
     weights = NetworkWeightClient(address, auth_token, timeout_s=timeout_s)
@@ -200,8 +248,8 @@ def network_fetcher(address: str, auth_token: str, timeout_s: float
     def fetch(actor_id: int) -> tuple[int, dict[str, torch.Tensor]]:
         try:
             version, state, _ = weights.fetch(actor_id)
-        except grpc.RpcError as exc:
-            raise map_rpc_error("GetWeightInfo", address, exc) from None
+        except CoordinatorError:
+            raise
         except (WeightFetchError, OSError) as exc:  # side channel down or a transfer that failed checks
             raise LearnerUnavailable(f"weight fetch from {address}: {exc}") from None
         return version, state

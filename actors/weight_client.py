@@ -4,7 +4,8 @@
  network:    GetWeightInfo (gRPC) -> manifest + side-channel endpoint
              -> one raw TCP request for the whole buffer (recv_into a reused buffer)
              -> verify blake3 per chunk -> refetch bad chunks (range requests) -> state dict
-             (no side channel announced: FetchWeights gRPC stream, the slow fallback)
+             (no side channel announced: FetchWeights gRPC stream, the slow fallback; both gRPC
+             calls through actors/client.py's CoordinatorClient)
  collective: join through the learner's TCPStore -> wait for sync/<s> -> (new generation: build
              the group: gloo, or NCCL into a CUDA buffer copied to host) -> bucketed broadcast into
              a reused buffer -> verify -> refetch bad chunks over the network path -> ack timings
@@ -28,6 +29,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from actors.client import CoordinatorClient
 from dapo.weights import TensorEntry, WeightError, WeightManifest, bad_chunks, unflatten
 from protos import collective
 from protos import coordinator_pb2 as pb
@@ -164,23 +166,16 @@ class NetworkWeightClient:
 
     def __init__(self, grpc_target: str, auth_token: str, *, timeout_s: float, max_refetch: int = 3,
                  after_receive: Callable[[torch.Tensor], None] | None = None) -> None:
-        import grpc
-
-        from protos import coordinator_pb2_grpc as pbg
-
         self._token = auth_token
         self._timeout_s = timeout_s
         self._max_refetch = max_refetch
-        opts = [("grpc.max_receive_message_length", 64 << 20)]
-        self._channel = grpc.insecure_channel(grpc_target, options=opts)
-        self._stub = pbg.CoordinatorStub(self._channel)
+        self._rpc = CoordinatorClient(grpc_target, auth_token, timeout_s)
         self._side: SideChannelClient | None = None
         self._buffers = _Buffers()
         self._after_receive = after_receive  # fault injection in tests (corrupt bytes in transit)
 
     def info(self, actor_id: int = 0) -> pb.WeightInfo:
-        return self._stub.GetWeightInfo(pb.WeightInfoRequest(actor_id=actor_id), timeout=self._timeout_s,
-                                        metadata=(("x-dapo-token", self._token),))
+        return self._rpc.call("GetWeightInfo", pb.WeightInfoRequest(actor_id=actor_id))
 
     def fetch(self, actor_id: int = 0) -> tuple[int, dict[str, torch.Tensor], FetchStats]:
         info = self.info(actor_id)
@@ -205,17 +200,15 @@ class NetworkWeightClient:
         return manifest.version, unflatten(buf, manifest), stats
 
     def _grpc_read(self, dst: memoryview, version: int, offset: int) -> None:
-        stream = self._stub.FetchWeights(pb.FetchWeightsRequest(version=version, offset_bytes=offset,
-                                                                length_bytes=len(dst)),
-                                         timeout=self._timeout_s, metadata=(("x-dapo-token", self._token),))
-        for chunk in stream:
+        request = pb.FetchWeightsRequest(version=version, offset_bytes=offset, length_bytes=len(dst))
+        for chunk in self._rpc.fetch_weights(request, self._timeout_s):
             start = chunk.offset_bytes - offset
             dst[start:start + len(chunk.data)] = chunk.data
 
     def close(self) -> None:
         if self._side is not None:
             self._side.close()
-        self._channel.close()
+        self._rpc.close()
 
 
 class CollectiveWeightReceiver:
@@ -337,12 +330,3 @@ class CollectiveWeightReceiver:
     def close(self) -> None:
         self._pg, self._staging = None, None
 
-
-def fetch_weights(grpc_target: str, auth_token: str, *, timeout_s: float) -> tuple[int, dict[str, torch.Tensor]]:
-    """One-shot network fetch of the latest weights: (version, state dict), checksums verified."""
-    client = NetworkWeightClient(grpc_target, auth_token, timeout_s=timeout_s)
-    try:
-        version, state_dict, _ = client.fetch()
-        return version, {k: v.clone() for k, v in state_dict.items()}
-    finally:
-        client.close()

@@ -150,7 +150,7 @@ class Cluster:
         return dead
 
     def status(self):
-        from protos.client import CoordinatorClient
+        from actors.client import CoordinatorClient
 
         with CoordinatorClient(self.address, TOKEN, timeout_s=5) as client:
             return client.status()

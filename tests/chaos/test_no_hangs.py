@@ -88,13 +88,12 @@ def spawn(*args: str) -> subprocess.Popen:
 
 @pytest.mark.timeout(60)
 def test_grpc_calls_to_a_hung_learner_end_at_their_deadline() -> None:
-    from actors.client import CoordinatorClient as ActorClient, LearnerUnavailable
+    from actors.client import CoordinatorClient, CoordinatorError, LearnerUnavailable
     from protos import coordinator_pb2 as pb
-    from protos.client import CoordinatorClient, CoordinatorError
 
     with silent_peer() as (host, port):
         target = f"{host}:{port}"
-        actor = ActorClient(target, "t", TIMEOUT_S, max_message_bytes=1 << 20, reconnect_backoff_max_s=1)
+        actor = CoordinatorClient(target, "t", TIMEOUT_S, max_message_bytes=1 << 20, reconnect_backoff_max_s=1)
         with bounded("actor Register", TIMEOUT_S + SLACK_S), pytest.raises(LearnerUnavailable, match="DEADLINE|SETTINGS"):
             actor.call("Register", pb.RegisterRequest(actor_name="a"))
         actor.close()

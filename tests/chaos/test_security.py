@@ -25,7 +25,7 @@ import zmq
 from dapo.wire import encode_group
 from protos import AUTH_METADATA_KEY
 from protos import coordinator_pb2 as pb
-from protos.client import CoordinatorClient
+from actors.client import CoordinatorClient
 from tests.chaos.cluster import wait_for
 from tests.integration.test_wire_services import make_group
 from tests.integration.wire_harness import TOKEN, Learner, make_cfg

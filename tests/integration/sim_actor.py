@@ -27,7 +27,7 @@ import zmq  # noqa: E402
 
 from actors.weight_client import CollectiveWeightReceiver, NetworkWeightClient, SideChannelClient  # noqa: E402
 from dapo.wire import TrajectoryGroup, encode_group  # noqa: E402
-from protos.client import CoordinatorClient, CoordinatorError  # noqa: E402
+from actors.client import CoordinatorClient, CoordinatorError  # noqa: E402
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ from typing import Callable
 import pytest
 
 from protos import coordinator_pb2 as pb
-from protos.client import CoordinatorClient
+from actors.client import CoordinatorClient
 from tests.procs import free_ports
 
 pytestmark = pytest.mark.slow

@@ -16,7 +16,7 @@ import zmq
 from dapo.wire import WIRE_ERROR_REASONS, encode_group
 from protos import AUTH_METADATA_KEY
 from protos import coordinator_pb2 as pb
-from protos.client import CoordinatorClient
+from actors.client import CoordinatorClient
 from tests.integration.test_wire_services import make_group
 from tests.integration.wire_harness import TOKEN, Learner, make_cfg
 

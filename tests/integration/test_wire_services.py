@@ -17,7 +17,7 @@ from dapo.wire import TrajectoryGroup, encode_group
 from protos import AUTH_METADATA_KEY
 from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc
-from protos.client import CoordinatorClient, CoordinatorError
+from actors.client import CoordinatorClient, CoordinatorError
 from tests.integration.wire_harness import TOKEN, Learner, kill_all, make_cfg, read_line, spawn_sim
 
 pytestmark = pytest.mark.slow
@@ -321,13 +321,12 @@ def test_an_actors_lease_retry_after_a_lost_reply_gets_the_granted_leases() -> N
     lost, the client raises LearnerUnavailable and the loop calls Lease again. At k = 0 that retry
     used to be denied (staleness_bound) for lease_timeout_s; it now gets the same leases, and a
     heartbeat acknowledges them so they are kept while the actor generates."""
-    from actors.client import CoordinatorClient as ActorClient
     from actors.client import LearnerUnavailable
 
     cfg = make_cfg(num_prompts_per_step=2, max_staleness_steps=0, transport=dict(heartbeat_timeout_s=10.0))
     now = [0.0]
     learner = Learner(cfg, 100, clock=lambda: now[0])  # the coordinator's time, moved by hand
-    client = ActorClient(learner.target, TOKEN, 5.0, max_message_bytes=1 << 20, reconnect_backoff_max_s=1.0)
+    client = CoordinatorClient(learner.target, TOKEN, 5.0, max_message_bytes=1 << 20, reconnect_backoff_max_s=1.0)
     client.stub = pb_grpc.CoordinatorStub(grpc.intercept_channel(client._channel, LoseLeaseReplies(1)))
     try:
         actor = client.call("Register", pb.RegisterRequest(actor_name="retrier")).actor_id
@@ -387,8 +386,6 @@ def test_an_out_of_vocabulary_token_is_rejected_before_the_learner_and_the_actor
     prompt goes to the next lease, and the actor's heartbeat reply says why (its client logs it)."""
     import logging
 
-    from actors.client import CoordinatorClient as ActorClient
-
     cfg = make_cfg(num_prompts_per_step=2, max_staleness_steps=0)
     learner = Learner(cfg, 100)
     client = CoordinatorClient(learner.target, TOKEN, timeout_s=5)
@@ -404,11 +401,9 @@ def test_an_out_of_vocabulary_token_is_rejected_before_the_learner_and_the_actor
         push_and_train(learner, actor, leases, spoil=spoil)
         counts = learner.queue.counters()
         assert counts["dropped/token_out_of_vocab"] == 1 and counts["accepted"] == 1
-        actor_client = ActorClient(learner.target, TOKEN, 5.0, max_message_bytes=1 << 20, reconnect_backoff_max_s=1.0)
         with caplog.at_level(logging.WARNING, logger="actors.client"):
             for _ in range(2):  # the second reply reports nothing new: one warning
-                hb = actor_client.call("Heartbeat", pb.HeartbeatRequest(actor_id=actor, weight_version=0))
-        actor_client.close()
+                hb = client.heartbeat(actor, 0)
         assert (hb.groups_rejected, hb.last_rejected_reason) == (1, "token_out_of_vocab")
         warnings = [r.getMessage() for r in caplog.records if r.name == "actors.client"]
         assert len(warnings) == 1 and "rejected 1 more" in warnings[0] and "token_out_of_vocab" in warnings[0]

@@ -22,7 +22,7 @@ import zmq
 
 from dapo.runtime import apply_service_env
 from dapo.wire import TrajectoryGroup, encode_group
-from protos.client import CoordinatorClient, CoordinatorError
+from actors.client import CoordinatorClient, CoordinatorError
 
 
 class SimActor:

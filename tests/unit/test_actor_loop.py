@@ -301,7 +301,7 @@ def test_unreachable_learner_keeps_the_session_and_retries(make_actor):
 @pytest.mark.parametrize("code,expected", [
     ("UNAVAILABLE", "LearnerUnavailable"), ("DEADLINE_EXCEEDED", "LearnerUnavailable"),
     ("RESOURCE_EXHAUSTED", "LearnerUnavailable"),  # the server shedding load: retry, do not crash
-    ("NOT_FOUND", "SessionLost"), ("UNAUTHENTICATED", "AuthError"), ("INTERNAL", "RuntimeError")])
+    ("NOT_FOUND", "SessionLost"), ("UNAUTHENTICATED", "AuthError"), ("INTERNAL", "CoordinatorError")])
 def test_rpc_errors_map_onto_what_the_loop_does_about_them(code, expected):
     import grpc
 

@@ -4,6 +4,9 @@
   imports of the services. ``actors`` and ``learner`` import ``dapo`` and ``protos``, never each other.
 - Nothing under dapo/ actors/ learner/ protos/ unpickles: network data and checkpoints are
   parsed, never executed.
+- One home per concern: the gRPC channel is opened only by the one client (actors/client.py),
+  the auth metadata key is spelled only in protos/__init__.py, and the staleness bound k is
+  stored only by learner/admission.py.
 """
 
 import ast
@@ -19,7 +22,11 @@ FORBIDDEN = {
              "multiprocessing"),
     "actors": ("learner",),
     "learner": ("actors",),
+    "protos": ("actors", "learner"),
 }
+HOMES = {"channel": "actors/client.py", "x-dapo-token": "protos/__init__.py",
+         "max_staleness_steps": "learner/admission.py"}
+"""Concern -> the one product file allowed to hold it (see ``home_violations``)."""
 PICKLERS = ("pickle", "_pickle", "cPickle", "cloudpickle", "dill", "joblib")
 # os functions that start a process. dapo/ may not call them; os.exec* replaces the current
 # process (no child), which the `dapo` CLI dispatcher does on purpose, so it is allowed there only.
@@ -84,6 +91,26 @@ def layering_violations(source: str, path: str) -> list[str]:
     return out
 
 
+def home_violations(source: str, path: str) -> list[str]:
+    """A gRPC channel opened, the auth metadata key spelled, or an attribute ``max_staleness_steps``
+    stored (``self.x = ...`` or a class field) in learner/ outside its home (HOMES)."""
+    out = []
+    for node in ast.walk(ast.parse(source, filename=path)):
+        if (isinstance(node, ast.Call) and _call_name(node) in ("insecure_channel", "secure_channel")
+                and path != HOMES["channel"]):
+            out.append(f"{path}:{node.lineno} opens a gRPC channel (use actors.client.CoordinatorClient)")
+        if isinstance(node, ast.Constant) and node.value == "x-dapo-token" and path != HOMES["x-dapo-token"]:
+            out.append(f"{path}:{node.lineno} spells the auth metadata key (use protos.AUTH_METADATA_KEY)")
+        targets = (node.targets if isinstance(node, ast.Assign)
+                   else [node.target] if isinstance(node, ast.AnnAssign) else [])
+        for t in targets:
+            name = t.attr if isinstance(t, ast.Attribute) else t.id if isinstance(t, ast.Name) else ""
+            if (name == "max_staleness_steps" and path.startswith("learner/") and path != HOMES["max_staleness_steps"]
+                    and (isinstance(t, ast.Attribute) or isinstance(node, ast.AnnAssign))):
+                out.append(f"{path}:{node.lineno} stores k (read it from learner.admission.Admission)")
+    return out
+
+
 def pickle_violations(source: str, path: str) -> list[str]:
     tree = ast.parse(source, filename=path)
     out = [f"{path}:{line} imports {mod}" for line, mod in imported_modules(tree, path)
@@ -115,6 +142,26 @@ def test_dependency_rule():
     assert not problems, "\n".join(problems)
 
 
+def test_one_home_per_concern():
+    problems = [v for p in sources() for v in home_violations(p.read_text(), rel(p))]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("path,source,flagged", [
+    ("actors/weight_client.py", "import grpc\ngrpc.insecure_channel(t)", True),
+    ("actors/client.py", "import grpc\ngrpc.insecure_channel(t)", False),
+    ("learner/x.py", "from grpc import secure_channel\nsecure_channel(t, c)", True),
+    ("actors/x.py", "md = (('x-dapo-token', token),)", True),
+    ("protos/__init__.py", "AUTH_METADATA_KEY = 'x-dapo-token'", False),
+    ("learner/replay.py", "class B:\n    def __init__(self, k):\n        self.max_staleness_steps = k", True),
+    ("learner/x.py", "class C:\n    max_staleness_steps: int", True),
+    ("learner/admission.py", "class Admission:\n    max_staleness_steps: int", False),
+    ("learner/x.py", "k = cfg.algorithm.max_staleness_steps", False),  # reading it is fine
+])
+def test_home_checker(path, source, flagged):
+    assert bool(home_violations(source, path)) == flagged
+
+
 def test_no_pickle_on_any_path():
     problems = [v for p in sources() for v in pickle_violations(p.read_text(), rel(p))]
     assert not problems, "\n".join(problems)
@@ -141,6 +188,7 @@ def test_no_pickle_on_any_path():
     ("actors/x.py", "from learner import coordinator"),
     ("actors/engines/x.py", "from ...learner.publisher import x"),
     ("learner/x.py", "import actors.weight_client"),
+    ("protos/x.py", "from actors.client import CoordinatorClient"),
 ])
 def test_layering_checker_flags(path, source):
     assert layering_violations(source, path)
