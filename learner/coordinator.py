@@ -5,20 +5,11 @@ leases held, rejections), the policy version, and the staleness bound (learner/a
 Exactly once: a prompt has at most one active lease; a group is accepted only for an active
 lease (``complete_lease``), so a group whose lease was re-issued is dropped, never trained twice;
 every lease that does not complete goes back to pending and is re-issued first, so no prompt is
-lost. The replay queue reports what became of an accepted group with ``settle``.
+lost. The replay queue reports what became of an accepted group with ``settle``. A group that
+does not fit the run is rejected at ``complete_lease``: its prompt is re-issued, its actor told.
 
-Staleness at dispatch: ``Admission.lease_capacity`` and ``Admission.weights_usable`` (the formula
-is in learner/admission.py). Lease credit bounds the replay queue: ``in_flight + queued <
-queue_max_groups``, so the queue never holds more decoded groups than that.
-
-Idempotent Lease (``lease_numbered``): numbered Lease calls get the grants of a reply they
-missed, and a reply that never arrived returns its leases within about a heartbeat timeout;
-learner/leases.py has the rules.
-
-A group that does not fit the run (wrong group size, too long, token outside the vocabulary,
-prompt ids that are not the lease's) is rejected at ``complete_lease``: its prompt is re-issued,
-the actor's rejection count and latest reason go out in heartbeat replies and Status, and the
-first rejection per reason and actor is logged with the actor's name.
+Lease credit bounds the replay queue: ``in_flight + queued < queue_max_groups``, so the queue
+never holds more decoded groups than that. Numbered Lease calls are idempotent (learner/leases.py).
 
 Publication: ``begin_publish(v)`` before weights v can reach any actor, ``set_version(v)`` once
 they are published. In between, an actor already holding v (a collective member received it, a
@@ -74,14 +65,6 @@ class Coordinator:
                    queue_max_groups=t.queue_max_groups, heartbeat_timeout_s=t.heartbeat_timeout_s,
                    lease_timeout_s=t.lease_timeout_s, lease_retry_after_s=t.lease_retry_after_s,
                    seed=cfg.run.seed, **kwargs)
-
-    @property
-    def num_prompts_per_step(self) -> int:
-        return self.admission.num_groups_per_step
-
-    @property
-    def max_staleness_steps(self) -> int:
-        return self.admission.max_staleness_steps
 
     # ------------------------------------------------------------------ version, shutdown
 

@@ -117,13 +117,9 @@ class ReplayBuffer:
         self.staleness_hist: dict[int, int] = {}
         self.max_depth_groups = 0
         self.last_filter_stats: FilterStats | None = None
-        self.last_admit_s = 0.0
-        """time.monotonic() when the last group was held or filtered (for health metrics)."""
 
     def count(self, name: str, n: int = 1) -> None:
-        with self._count_cond:
-            self.counts[name] = self.counts.get(name, 0) + n
-            self._count_cond.notify_all()
+        self.count_many(**{name: n})
 
     def count_many(self, **increments: int) -> None:
         with self._count_cond:
@@ -172,7 +168,6 @@ class ReplayBuffer:
                 # Wake the consumer once it can fill its batch, not on every group.
                 if self._want and len(self._groups) >= self._want:
                     self._cond.notify_all()
-        self.last_admit_s = time.monotonic()
         self.count("accepted" if keep else "filtered")
         return "" if keep else "filtered"
 

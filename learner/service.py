@@ -344,11 +344,3 @@ class CoordinatorServer:
         if self._server is not None:
             self._server.stop(grace_s).wait(grace_s + 1.0)
             self._server = None
-
-
-def serve_coordinator(cfg: DapoConfig, coordinator: Coordinator, *, zmq_endpoint: str,
-                      queue: QueueStats | None = None, weight_source: WeightSource | None = None) -> CoordinatorServer:
-    """Start the coordinator's gRPC server (learner rank 0)."""
-    server = CoordinatorServer(cfg, coordinator, zmq_endpoint=zmq_endpoint, queue=queue, weight_source=weight_source)
-    server.start()
-    return server

@@ -36,7 +36,7 @@ def start_services(cfg: DapoConfig, model_path: Path, run_state: dict,
     from learner.metrics import MetricsLogger
     from learner.publisher import WeightPublisher
     from learner.replay import ReplayQueue
-    from learner.service import serve_coordinator
+    from learner.service import CoordinatorServer
 
     t = cfg.transport
     prompts = build_dataset(cfg, "train", AutoTokenizer.from_pretrained(model_path))
@@ -55,7 +55,8 @@ def start_services(cfg: DapoConfig, model_path: Path, run_state: dict,
         collective_port=t.collective_port if t.weight_path == "collective" else None,
         bucket_bytes=cfg.learner.weight_bucket_bytes, device=device,
         collective_backend=resolve_backend(t.collective_backend, device))
-    server = serve_coordinator(cfg, coordinator, zmq_endpoint=replay.start(), queue=replay, weight_source=publisher)
+    server = CoordinatorServer(cfg, coordinator, zmq_endpoint=replay.start(), queue=replay, weight_source=publisher)
+    server.start()
     run_dir = Path(cfg.run.run_dir)
     metrics = MetricsLogger(run_dir, wandb=cfg.learner.wandb, prometheus_port=cfg.learner.prometheus_port,
                             prometheus_host=t.host, config=to_dict(cfg))

@@ -29,7 +29,7 @@ def train_until(learner: Learner, num_groups: int, timeout_s: float) -> list[int
     deadline = time.monotonic() + timeout_s
     while len(trained) < num_groups:
         batch = learner.queue.get_batch(timeout_s=max(0.1, deadline - time.monotonic()))
-        k, version = learner.coordinator.max_staleness_steps, learner.coordinator.version
+        k, version = learner.coordinator.admission.max_staleness_steps, learner.coordinator.version
         assert all(version - g.min_version <= k for g in batch)
         trained += [g.prompt_id for g in batch]
         learner.coordinator.set_version(version + 1)

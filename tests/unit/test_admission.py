@@ -58,5 +58,5 @@ def test_the_coordinator_and_the_replay_queue_share_one_admission() -> None:
     coord = make(N=3, k=2)
     buf = make_buffer(coord)
     assert buf.admission is coord.admission
-    assert (coord.num_prompts_per_step, coord.max_staleness_steps) == (3, 2)
+    assert (coord.admission.num_groups_per_step, coord.admission.max_staleness_steps) == (3, 2)
     assert not hasattr(buf, "max_staleness_steps") and not hasattr(buf, "num_groups_per_batch")

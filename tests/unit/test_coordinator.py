@@ -54,7 +54,7 @@ def make_group(coord: Coordinator, grant, actor_id: int, version: int, acc=(1.0,
 def make_buffer(coord: Coordinator, max_groups: int = 100, enabled: bool = True) -> ReplayBuffer:
     """Groups of make_group fit: G = 2, 2 tokens per response, ids below 1024 (TinySource rows)."""
     return ReplayBuffer(coord, max_groups=max_groups,
-                        dynamic_filter=DynamicSamplingFilter(coord.num_prompts_per_step, 0, enabled=enabled),
+                        dynamic_filter=DynamicSamplingFilter(coord.admission.num_groups_per_step, 0, enabled=enabled),
                         limits=GroupLimits(vocab_size=1024, num_samples_per_prompt=2, max_response_tokens=8))
 
 
