@@ -1,4 +1,4 @@
-"""Held-out evaluation on learner rank 0 with the published weights.
+"""Held-out evaluation on learner rank 0 with the published weights, in a background thread.
 
 A plain (unsharded) HF copy of the model on rank 0 loads each evaluated version's full state dict
 (already gathered for publication), so evaluation adds no collective. One sample per held-out
@@ -6,10 +6,18 @@ prompt at the actors' temperature (``actor.temperature``), with a fixed sampling
 dapo.rewards: the accuracy of the policy that is being trained, not of its greedy mode (the
 warm-started tiny model is ~1.0 greedy but ~0.2 sampled; RL's job is to close that gap). This is
 the learner's cheap in-run curve (``eval/accuracy``); ``dapo eval`` (vLLM, avg@k) is the thorough one.
+
+``submit`` copies the weights into the evaluation model (the learner may update its own in place
+right after) and samples in a thread, so the next training step does not wait for it: on the
+embedded default an evaluation costs about one training step of CPU, every ``eval_every_steps``
+steps, which now runs where the machine has idle time (while the learner waits for a batch or the
+actors for a lease) instead of on the learner's critical path. One evaluation at a time (one
+evaluation model); ``submit`` waits for the previous one.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Mapping
@@ -21,7 +29,7 @@ from dapo.evaluation import sampled_accuracy
 
 
 class Evaluator:
-    def __init__(self, cfg: DapoConfig, model_path: Path, batch_size: int = 64) -> None:
+    def __init__(self, cfg: DapoConfig, model_path: Path, batch_size: int = 128) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from dapo.data import build_dataset
@@ -34,14 +42,53 @@ class Evaluator:
         self.max_new_tokens = cfg.actor.max_response_tokens
         self.temperature = cfg.actor.temperature
         self.seed = cfg.learner.seed
+        # 128 = the whole built-in held-out set in one generate call: half the decoding steps of 64.
         self.batch_size = batch_size
+        self._thread: threading.Thread | None = None
+        self._results: dict[int, dict[str, float]] = {}
+        self._error: BaseException | None = None
 
     def evaluate(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, float]:
-        t0 = time.perf_counter()
+        """Evaluate now, in this thread."""
+        self.wait()
+        self._load(state_dict)
+        return self._sample()
+
+    def submit(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+        """Evaluate ``state_dict`` as ``version`` in the background; ``result(version)`` has it."""
+        self.wait()
+        self._load(state_dict)
+        self._thread = threading.Thread(target=self._run, args=(version,), name="eval", daemon=True)
+        self._thread.start()
+
+    def result(self, version: int, *, block: bool = False) -> dict[str, float] | None:
+        """The metrics of a submitted version: None while it runs (``block``: wait for it). Raises
+        what the evaluation raised."""
+        if block:
+            self.wait()
+        if self._error is not None:
+            raise self._error
+        return self._results.pop(version, None)
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _load(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         # strict=False: the published dict omits the tied lm_head copy (it is the embedding).
         self.model.load_state_dict(dict(state_dict), strict=False)
+
+    def _run(self, version: int) -> None:
+        try:
+            self._results[version] = self._sample()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the loop's thread by result()
+            self._error = exc
+
+    def _sample(self) -> dict[str, float]:
+        t0 = time.perf_counter()
         r = sampled_accuracy(self.model, self.tokenizer, self.prompts, max_new_tokens=self.max_new_tokens,
                              temperature=self.temperature, batch_size=self.batch_size, seed=self.seed)
         return {"eval/accuracy": r.accuracy, "eval/response_length_tokens": r.mean_response_tokens,
                 "eval/truncated_fraction": r.truncated_fraction, "eval/num_prompts": float(r.num_samples),
-                "time/eval_s": time.perf_counter() - t0}
+                "time/eval_s": time.perf_counter() - t0, "time/eval_done_unix_s": time.time()}

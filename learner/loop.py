@@ -8,7 +8,8 @@
                                           train        π_prox, M mini-batches × micro-batches, AdamW
                                           gather       full state dict -> rank 0
  publisher: side channel + collective  <─ publish      version v+1; coordinator.set_version
- evaluator (every K steps, sampled)                    (rank 0 only; peers wait in the next broadcast)
+ evaluator (every K steps, sampled)                    (rank 0, a background thread: training goes on;
+                                                        step records wait in order for its result)
                                           checkpoint   every K steps (DCP + coordinator state)
  metrics.jsonl, trained_prompts.jsonl  <─ log          (the audit line is written before publish)
 ```
@@ -20,7 +21,7 @@ import json
 import signal
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -53,6 +54,11 @@ class Rank0Services:
     """learner.service.CoordinatorServer (stopped at teardown)."""
     evaluator: Any = None
     """learner.evaluate.Evaluator, or None when learner.eval_every_steps = 0."""
+    held_records: list = field(default_factory=list)
+    """Step records not logged yet, in step order: (step, values, awaits its evaluation)."""
+    unix_minus_time_s: float | None = None
+    """unix_time_s - time_s of the metrics logger: held records carry the time of their step, not
+    of their logging."""
 
 
 class StopFlag:
@@ -99,16 +105,20 @@ def run(cfg: DapoConfig, trainer: Trainer, services: Rank0Services | None, *, st
                 f.write(json.dumps({"step": step, "prompt_ids": [int(g.prompt_id) for g in groups]}) + "\n")
         with timed(t, "publish"):
             pub = publish(services, state_dict, step)
-        if services and services.evaluator and step % cfg.learner.eval_every_steps == 0:
-            pub.update(services.evaluator.evaluate(state_dict))
+        evaluating = bool(services and services.evaluator and step % cfg.learner.eval_every_steps == 0)
+        if evaluating:  # off the critical path: the weights are copied, the next step starts now
+            with timed(t, "eval_submit"):
+                services.evaluator.submit(state_dict, step)
         if cfg.learner.checkpoint_every_steps and step % cfg.learner.checkpoint_every_steps == 0:
             with timed(t, "checkpoint"):
                 save_checkpoint(cfg, trainer, services, step, model_path)
             last_ckpt = step
         if services:
-            log_step(services, step, groups, batch, {**t, **train, **pub}, time.perf_counter() - t_step)
+            log_step(services, step, groups, batch, {**t, **train, **pub}, time.perf_counter() - t_step, evaluating)
     if step != last_ckpt:
         save_checkpoint(cfg, trainer, services, step, model_path)
+    if services:
+        flush_records(services, block=True)
     return step
 
 
@@ -123,6 +133,7 @@ def next_batch(cfg: DapoConfig, services: Rank0Services | None, stop: StopFlag,
     while True:
         ctrl, groups = torch.tensor([WAIT], dtype=torch.int64, device=device), None  # NCCL: on the GPU
         if services is not None:
+            flush_records(services)  # evaluations that finished while waiting
             if stop.reason:
                 ctrl[0] = STOP
             else:
@@ -167,19 +178,47 @@ def publish_initial(services: Rank0Services | None, state_dict: dict[str, torch.
         return
     publish(services, state_dict, step)
     if services.evaluator is not None:
-        services.metrics.log(step, {"version": float(step), **services.evaluator.evaluate(state_dict)})
+        services.evaluator.submit(state_dict, step)
+    hold(services, step, {"version": float(step)}, awaits_eval=services.evaluator is not None)
+    flush_records(services)
 
 
 def save_checkpoint(cfg: DapoConfig, trainer: Trainer, services: Rank0Services | None, step: int,
                     model_path: str) -> None:
+    if services is not None and services.evaluator is not None:
+        services.evaluator.wait()  # it reseeds the global RNG, which the checkpoint saves
     run_state = {"step": step, "version": step, "coordinator": services.coordinator.state_dict(),
                  "replay": services.replay.buffer.state_dict()} if services else None
     checkpoint.save(cfg.run.run_dir, step, trainer.model, trainer.optimizer, trainer.scheduler, run_state,
                     model_path)
 
 
+def hold(services: Rank0Services, step: int, values: dict[str, float], *, awaits_eval: bool) -> None:
+    """Queue a step record, stamped with the time now; ``flush_records`` logs it in step order."""
+    if services.unix_minus_time_s is None:  # the logger's time_s counts from its creation
+        services.unix_minus_time_s = time.time() - (time.monotonic() - services.metrics._t0)
+    now = time.time()
+    values = {**values, "unix_time_s": now, "time_s": now - services.unix_minus_time_s}
+    services.held_records.append((step, values, awaits_eval))
+
+
+def flush_records(services: Rank0Services, *, block: bool = False) -> None:
+    """Log held records in order, each one awaiting an evaluation once its result is in (``block``:
+    wait for it). A record is never logged before an earlier one, so metrics.jsonl stays in step
+    order with the evaluation inside the record of the version it evaluated."""
+    while services.held_records:
+        step, values, awaits_eval = services.held_records[0]
+        if awaits_eval:
+            result = services.evaluator.result(step, block=block)
+            if result is None:
+                return
+            values = {**values, **result}
+        services.metrics.log(step, values)
+        services.held_records.pop(0)
+
+
 def log_step(services: Rank0Services, step: int, groups: list, batch: Any, values: dict[str, float],
-             step_s: float) -> None:
+             step_s: float, awaits_eval: bool = False) -> None:
     record = {"version": float(step), **values, **batch_metrics(groups, step - 1)}
     record["time/step_s"] = step_s
     record["learner/idle_fraction"] = values["time/wait_batch_s"] / max(step_s, 1e-9)
@@ -193,4 +232,5 @@ def log_step(services: Rank0Services, step: int, groups: list, batch: Any, value
         record[f"queue/{k}"] = float(v)
     for k, v in services.coordinator.counters().items():
         record[f"coordinator/{k}"] = float(v)
-    services.metrics.log(step, record)
+    hold(services, step, record, awaits_eval=awaits_eval)
+    flush_records(services)
