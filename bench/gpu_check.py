@@ -9,6 +9,12 @@ Checks:
              in one micro-batch vs packed in many micro-batches (<= 1e-5; two ranks need two
              GPUs — the 1 vs 2 rank check runs on CPU in tests/unit/test_trainer.py).
   bf16_step  a full Trainer.train_step in bf16 compute (fp32 master weights), time and finite loss.
+  learner_step  bf16 Trainer.train_step (π_prox recompute + forward/backward + AdamW) on one micro-batch
+             of 16k tokens (16 sequences x 1024), random-init Qwen2.5-0.5B and -1.5B shapes at full
+             depth (24 / 28 layers): peak CUDA memory and step time with log-probs unchunked
+             (learner.logprob_chunk_tokens=0), chunked (1024), chunked + activation checkpointing,
+             and chunked + checkpointing + CPU offload. One JSON line per shape; a variant that runs
+             out of device memory is reported as such. --small: tiny model, 512 tokens.
   publish    0.5B Qwen2 (Qwen2.5-0.5B shape, random init, bf16 on the wire): FSDP full-state gather
              to CPU, serialise + blake3, and a network fetch by a separate client process over the
              raw TCP side channel (verified); seconds for each stage.
@@ -116,6 +122,111 @@ def check_bf16_step(device: torch.device, small: bool) -> dict:
             "grad_norm": m["train/grad_norm"], "ok": all(map(lambda v: v == v and abs(v) < 1e6, m.values()))}
 
 
+LEARNER_VARIANTS = {  # name: TrainerSettings overrides
+    "unchunked": dict(logprob_chunk_tokens=0),
+    "chunked": dict(logprob_chunk_tokens=1024),
+    "chunked_ac": dict(logprob_chunk_tokens=1024, activation_checkpointing=True),
+    "chunked_ac_offload": dict(logprob_chunk_tokens=1024, activation_checkpointing=True, cpu_offload=True),
+}
+SHAPES = {  # Qwen2.5 shapes (tied embeddings, vocabulary 151,936)
+    "0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                 num_key_value_heads=2),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2),
+}
+
+
+def _learner_variant(device: torch.device, cfg, batch, overrides: dict) -> dict:
+    """Build a Trainer on a fresh random-init model (made on the device: fast), one warm-up step,
+    then one timed step with the peak-memory counter reset."""
+    import dataclasses
+    import gc
+
+    from transformers import Qwen2ForCausalLM
+
+    from dapo.config import AlgorithmConfig
+    from learner.batch import shard_local
+    from learner.trainer import Trainer
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(cfg).float()
+    st = dataclasses.replace(settings(torch.bfloat16), algorithm=AlgorithmConfig(prox_logp="recompute"),
+                             **overrides)
+    trainer = Trainer(model, st, device)
+    shard = shard_local(batch, num_minibatches=1, world_size=1, rank=0,
+                        max_tokens_per_microbatch=int(batch.seq_lens.sum()))
+    out: dict = {}
+    try:
+        first = trainer.train_step(shard)  # warm-up (allocations, kernels); its loss is the same weights'
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        m = trainer.train_step(shard)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        out = {"step_s": time.perf_counter() - t0, "loss_first": first["train/loss"],
+               "grad_norm_first": first["train/grad_norm"], "loss": m["train/loss"]}
+        if device.type == "cuda":
+            out["peak_alloc_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+    except torch.OutOfMemoryError as exc:
+        out = {"oom": str(exc).splitlines()[0][:200]}
+    except Exception as exc:  # noqa: BLE001 - reported, and the other variants still run
+        out = {"error": repr(exc)[:500]}
+    finally:
+        del trainer, model
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def check_learner_step(device: torch.device, small: bool) -> dict:
+    """Peak memory and time of a bf16 learner step per log-prob / checkpointing / offload variant."""
+    import math
+    import warnings
+
+    from transformers import Qwen2Config
+
+    from learner.batch import SampleBatch
+
+    shapes = {"tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2)} if small else SHAPES
+    num_seqs, seq_len, prompt_len = (4, 128, 16) if small else (16, 1024, 128)
+    vocab = 512 if small else 151936
+    g = torch.Generator().manual_seed(0)
+    mask = torch.cat([torch.zeros(prompt_len), torch.ones(seq_len - prompt_len)]).repeat(num_seqs)
+    tokens = torch.randint(0, vocab, (num_seqs * seq_len,), generator=g)
+    batch = SampleBatch(tokens, torch.full((num_seqs,), seq_len), torch.full((num_seqs,), prompt_len),
+                        torch.arange(num_seqs) // 4, -torch.rand(num_seqs * seq_len, generator=g) * 3 * mask, mask,
+                        torch.randn(num_seqs, generator=g))
+    out = {"check": "learner_step", "tokens": num_seqs * seq_len, "loss_tokens": int(mask.sum()), "ok": True}
+    for shape, dims in shapes.items():
+        cfg = Qwen2Config(vocab_size=vocab, tie_word_embeddings=True, max_position_embeddings=4096,
+                          attn_implementation="sdpa", **dims)
+        res = {}
+        for name, overrides in LEARNER_VARIANTS.items():
+            with warnings.catch_warnings():  # cpu_offload on a CPU device: a warning, expected here
+                warnings.simplefilter("ignore")
+                res[name] = _learner_variant(device, cfg, batch, overrides)
+            print(json.dumps({"shape": shape, "variant": name, **res[name]}), flush=True)
+        base = res["unchunked"]
+        for name, r in res.items():
+            if "error" in r or ("oom" in r and name != "unchunked"):  # only today's path may run out
+                out["ok"] = False
+                continue
+            finite = all(math.isfinite(v) for v in r.values() if isinstance(v, float))
+            # Same weights and batch: the first step's loss and grad norm agree up to bf16 rounding.
+            same = "loss_first" not in base or "loss_first" not in r or (
+                abs(r["loss_first"] - base["loss_first"]) <= 1e-3 + 1e-2 * abs(base["loss_first"])
+                and abs(r["grad_norm_first"] - base["grad_norm_first"]) <= 2e-2 * base["grad_norm_first"])
+            out["ok"] &= finite and same
+        out[shape] = res
+    return out
+
+
 def check_publish(device: torch.device, small: bool) -> dict:
     from learner.publisher import WeightPublisher
     from learner.trainer import Trainer
@@ -204,7 +315,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="tiny model everywhere (a CPU dry run)")
-    ap.add_argument("--checks", nargs="+", default=["exactness", "bf16_step", "publish", "collective"])
+    ap.add_argument("--checks", nargs="+", default=["exactness", "bf16_step", "learner_step", "publish", "collective"])
     args = ap.parse_args()
     device = torch.device(args.device)
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -216,7 +327,7 @@ def main() -> None:
         for name in args.checks:
             t0 = time.perf_counter()
             try:
-                out = {"exactness": check_exactness, "bf16_step": check_bf16_step,
+                out = {"exactness": check_exactness, "bf16_step": check_bf16_step, "learner_step": check_learner_step,
                        "publish": check_publish, "collective": check_collective}[name](device, args.small)
             except Exception as exc:  # noqa: BLE001 - report every check, then fail
                 out = {"check": name, "ok": False, "error": repr(exc)[:500]}

@@ -202,12 +202,29 @@ def test_trainer_chunked_and_checkpointed_grads_equal_plain_on_one_rank():
         assert abs(ours - ref_norm) <= 1e-6 * ref_norm and diff <= 1e-9, (v, run["clip"])
 
 
+def _one_sequence_step(variant: str) -> dict[str, float]:
+    """A whole train_step on one sequence: on 2 ranks, rank 1 runs only empty micro-batches, which
+    must still join FSDP's collectives with the chunked head and checkpointed layers."""
+    import torch.distributed as dist
+
+    from learner.batch import scatter_batch
+    from learner.trainer import Trainer
+    from tests.unit.test_trainer import _settings, random_batch, tiny_model
+
+    settings = dataclasses.replace(_settings("token-mean", "recompute"), **VARIANTS[variant])
+    trainer = Trainer(tiny_model(), settings, torch.device("cpu"))
+    one = random_batch(seed=3, num_groups=1, group_size=1)
+    return trainer.train_step(scatter_batch(one if dist.get_rank() == 0 else None, num_minibatches=1,
+                                            max_tokens_per_microbatch=1000))
+
+
 def _two_rank_worker(rank: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     runs = {v: _one_step(v) for v in ("chunk5", "chunk5_ac")}
+    runs["one_sequence"] = _one_sequence_step("chunk5_ac")
     if rank == 0:
         torch.save(runs, Path(out_dir) / "two.pt")
     dist.barrier()
@@ -225,9 +242,14 @@ def test_trainer_chunked_and_checkpointed_grads_on_two_ranks_equal_one_rank_plai
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init1", rank=0, world_size=1)
     try:
         ref = _one_step("plain")
+        ref_one = _one_sequence_step("plain")
     finally:
         dist.destroy_process_group()
     two = torch.load(tmp_path / "two.pt")
+    one = two.pop("one_sequence")
+    for key in ("train/loss", "train/grad_norm", "train/entropy", "train/loss_tokens"):
+        assert abs(one[key] - ref_one[key]) <= 1e-5 * max(1.0, abs(ref_one[key])), (key, one[key], ref_one[key])
+    assert ref_one["train/grad_norm"] > 0
     for v, run in two.items():
         _assert_same(run, ref, f"2 ranks {v}")
         ref_norm, ours, diff = run["clip"]  # rank 0's shards; the norms are global
