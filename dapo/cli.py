@@ -29,6 +29,7 @@ Hydra overrides follow the subcommand, e.g.
   dapo run algorithm=grpo algorithm.max_staleness_steps=2 run.num_actors=2
   dapo learner transport.host=0.0.0.0 transport.auth_token=SECRET
   dapo actor --learner 10.0.0.5:50051 transport.auth_token=SECRET
+(beyond loopback the default token is refused: python -c "import secrets; print(secrets.token_hex(16))")
 Every key is documented in dapo/config.py; `dapo config [overrides]` prints the resolved config.
 """
 

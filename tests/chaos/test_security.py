@@ -7,7 +7,9 @@
   nowhere but never decoded;
 - the weight side channel (raw TCP, learner/publisher.py) survives garbage: random bytes, huge
   length prefixes, undecodable and wrong-token requests, bad ranges, unknown versions, peers that
-  vanish mid-request; each is rejected or counted, and a valid fetch works afterwards.
+  vanish mid-request; each is rejected or counted, and a valid fetch works afterwards;
+- `dapo learner` bound beyond loopback refuses the README's default token before it starts
+  anything (loopback with the default token: tests/integration/test_signals.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from __future__ import annotations
 import random
 import socket
 import struct
+import subprocess
+import sys
+from pathlib import Path
 
 import grpc
 import msgpack
@@ -29,10 +34,12 @@ from actors.client import CoordinatorClient
 from tests.chaos.cluster import wait_for
 from tests.integration.test_wire_services import make_group
 from tests.integration.wire_harness import TOKEN, Learner, make_cfg
+from tests.procs import free_ports
 
 pytestmark = pytest.mark.slow
 
 NUM_SIDE_CHANNEL_CONNECTIONS = 2_000
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.timeout(60)
@@ -165,3 +172,32 @@ def test_weight_side_channel_survives_garbage_and_keeps_serving() -> None:
         print(f"side channel after {NUM_SIDE_CHANNEL_CONNECTIONS} garbage connections: {counters}")
     finally:
         pub.close()
+
+
+@pytest.mark.parametrize("host, token, refused", [
+    ("127.0.0.1", None, False), ("127.8.9.10", None, False), ("localhost", None, False), ("::1", None, False),
+    ("[::1]", None, False), ("0.0.0.0", None, True), ("::", None, True), ("10.0.0.5", None, True),
+    ("learner.example.org", None, True), ("", None, True), ("0.0.0.0", "9f86d081884c7d659a2feaa0c55ad015", False)])
+def test_which_binds_need_a_token_of_their_own(host, token, refused) -> None:
+    from dapo.config import TransportConfig
+    from learner.main import public_bind_error
+
+    t = TransportConfig(host=host, **({"auth_token": token} if token else {}))
+    assert (public_bind_error(t) is not None) == refused
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+def test_public_bind_with_the_default_token_is_refused_before_anything_starts(tmp_path, host) -> None:
+    grpc_port, zmq_port, weight_port = free_ports(3)
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "dapo.cli", "learner", f"transport.host={host}",
+                          f"transport.grpc_port={grpc_port}", f"transport.zmq_port={zmq_port}",
+                          f"transport.weight_port={weight_port}", f"run.run_dir={run_dir}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=100)
+    assert out.returncode == 2, out.stdout + out.stderr
+    # Refused by `dapo learner` itself (not by a rank after torchrun started), saying what to do.
+    assert out.stderr.startswith(f"dapo learner: transport.host={host} accepts connections from other machines")
+    assert "transport.auth_token" in out.stderr and "secrets.token_hex(16)" in out.stderr
+    assert "Traceback" not in out.stderr and out.stdout == ""
+    assert not run_dir.exists()  # nothing started: no rank ever wrote there

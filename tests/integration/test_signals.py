@@ -1,0 +1,244 @@
+"""`dapo learner` and `dapo actor` started by hand, as the README shows, and stopped the way a user
+or a scheduler stops them: Ctrl-C (SIGINT to the terminal's whole foreground process group, so
+torchrun and the actor's verifier worker get it too) and SIGTERM.
+
+A requested stop exits 0 with one line saying what was done and no traceback from any process;
+a second signal stops at once (exit 1) and leaves no process behind. Each command runs in a
+process group of its own (a terminal's foreground job) and is killed by PID at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from dapo.config import TransportConfig
+from protos import coordinator_pb2 as pb
+from actors.client import CoordinatorClient
+from tests.procs import kill_tree
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+NUM_WEIGHT_LOADS = 10
+
+
+@pytest.fixture(scope="module")
+def model_path() -> str:
+    from dapo.tiny import ensure_tiny_model
+
+    return str(ensure_tiny_model(ROOT / ".cache" / "dapo", progress=False))
+
+
+def common(model: str, run_dir: Path) -> list[str]:
+    """Small steps so that a few dozen happen in seconds; every port picked by the learner."""
+    return [f"model.path={model}", f"run.run_dir={run_dir}", "transport.grpc_port=0", "transport.zmq_port=0",
+            "transport.weight_port=0", "transport.collective_port=0", "algorithm.num_prompts_per_step=2",
+            "algorithm.num_samples_per_prompt=4", "algorithm.dynamic_sampling=false", "learner.eval_every_steps=0",
+            "learner.total_steps=0", "actor.prompts_per_lease=2", "data.builtin_num_train_prompts=2000"]
+
+
+class Command:
+    """``python -m dapo.cli ARGS`` in a process group of its own, output to a log file."""
+
+    def __init__(self, log: Path, *args: str) -> None:
+        self.log = log
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}  # HERE: actor_rewards
+        self.proc = subprocess.Popen([sys.executable, "-m", "dapo.cli", *args], cwd=ROOT, stdout=open(log, "w"),
+                                     stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for(self, pattern: str, timeout_s: float) -> re.Match:
+        deadline = time.monotonic() + timeout_s
+        while not (found := re.search(pattern, self.text(), re.M)):
+            assert self.proc.poll() is None, f"exited {self.proc.returncode} before {pattern!r}:\n{self.text()[-3000:]}"
+            assert time.monotonic() < deadline, f"no {pattern!r} within {timeout_s}s:\n{self.text()[-3000:]}"
+            time.sleep(0.2)
+        return found
+
+    def processes(self) -> list[psutil.Process]:
+        """This command and everything it started (torchrun, ranks, verifier worker)."""
+        me = psutil.Process(self.proc.pid)
+        return [me, *me.children(recursive=True)]
+
+    def stop(self, sig: int, times: int = 1) -> None:
+        """As a terminal's Ctrl-C does: the signal goes to the whole process group."""
+        for _ in range(times):
+            os.killpg(self.proc.pid, sig)
+            time.sleep(0.1)
+
+    def exit_code(self, timeout_s: float) -> int:
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running {timeout_s}s after the signal:\n{self.text()[-3000:]}")
+
+    def close(self) -> None:
+        kill_tree(self.proc)
+
+
+def start_learner(tmp: Path, model: str, *extra: str) -> tuple[Command, str]:
+    learner = Command(tmp / "learner.log", "learner", *common(model, tmp / "run"), *extra)
+    return learner, learner.wait_for(r"^learner: coordinator (\S+),", 180).group(1)
+
+
+def learner_step(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return max((json.loads(line)["step"] for line in lines if line.strip()), default=0)
+
+
+def wait_for_step(learner: Command, run_dir: Path, step: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while learner_step(run_dir) < step:
+        assert learner.proc.poll() is None and time.monotonic() < deadline, learner.text()[-3000:]
+        time.sleep(0.5)
+
+
+def wait_for_weight_loads(learner: Command, address: str, loads: int, timeout_s: float) -> None:
+    """Until the learner's only actor reports (heartbeat counters) ``loads`` weight loads."""
+    client = CoordinatorClient(address, TransportConfig().auth_token, timeout_s=5)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while not [a for a in client.call("Status", pb.StatusRequest()).actors if a.counters.weight_loads >= loads]:
+            assert learner.proc.poll() is None and time.monotonic() < deadline, learner.text()[-3000:]
+            time.sleep(0.5)
+    finally:
+        client.close()
+
+
+def assert_all_gone(procs: list[psutil.Process]) -> None:
+    gone, alive = psutil.wait_procs(procs, timeout=10)
+    assert not alive, f"left behind: {[(p.pid, p.cmdline()) for p in alive]}"
+
+
+def verifier_worker(actor: Command) -> psutil.Process:
+    return next(p for p in actor.processes() if "actors.verifier" in " ".join(p.cmdline()))
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_stops_actor_then_learner_cleanly_and_weight_loads_log_nothing(tmp_path, model_path, sig):
+    # 127.0.0.1 with the default token: loopback keeps working without a token.
+    learner, address = start_learner(tmp_path, model_path)
+    actor = Command(tmp_path / "actor.log", "actor", "--learner", address, *common(model_path, tmp_path / "run"))
+    try:
+        wait_for_weight_loads(learner, address, NUM_WEIGHT_LOADS, 300)
+        worker = verifier_worker(actor)
+        actor.stop(sig)
+        assert actor.exit_code(60) == 0, actor.text()[-3000:]
+        assert_all_gone([worker])
+        log = actor.text()
+        assert "Traceback" not in log, log[-3000:]
+        stops = [line for line in log.splitlines() if re.search(r"\bstopped\b", line)]
+        assert len(stops) == 1 and re.search(rf"stopped \({sig.name}\): left the run; \d+ leases returned", stops[0])
+        assert int(re.search(r"weight_loads=(\d+)", stops[0]).group(1)) >= NUM_WEIGHT_LOADS, stops[0]
+        # Nothing after start-up is a warning: weight loads (and generation) are silent when right.
+        after_start = log[log.index("registered as actor"):]
+        assert not [line for line in after_start.splitlines() if "WARNING" in line or "Warning" in line], after_start
+
+        procs = learner.processes()
+        assert len(procs) == 3  # the wrapper, torchrun, one rank
+        learner.stop(sig)
+        assert learner.exit_code(60) == 0, learner.text()[-3000:]
+        assert_all_gone(procs)
+        log = learner.text()
+        assert "Traceback" not in log and "SignalException" not in log, log[-3000:]
+        stops = [line for line in log.splitlines() if "stopped" in line]
+        assert len(stops) == 1, stops
+        step = int(re.search(rf"^learner: stopped at step (\d+) \({sig.name}\): final checkpoint (\S+); "
+                             r"0 actor\(s\) told to stop", stops[0]).group(1))
+        assert (tmp_path / "run" / "checkpoints" / f"step_{step}" / ".metadata").exists()
+    finally:
+        actor.close()
+        learner.close()
+
+
+@pytest.mark.timeout(180)
+def test_signal_while_the_rank_starts_is_kept_and_acted_on(tmp_path, model_path):
+    # A starting rank still ignores SIGINT (inherited from torchrun) until its stop handler is in:
+    # the request must wait for it, not vanish (the learner would then serve on).
+    learner = Command(tmp_path / "learner.log", "learner", *common(model_path, tmp_path / "run"))
+    try:
+        deadline = time.monotonic() + 120
+        while len(learner.processes()) < 3:  # the wrapper, torchrun, the rank (just started)
+            assert learner.proc.poll() is None and time.monotonic() < deadline, learner.text()[-3000:]
+            time.sleep(0.05)
+        assert "learner: coordinator" not in learner.text()
+        learner.stop(signal.SIGINT)
+        assert learner.exit_code(120) == 0, learner.text()[-3000:]
+        log = learner.text()
+        assert "Traceback" not in log, log[-3000:]
+        assert re.search(r"^learner: stopped at step 0 \(SIGINT\): no step trained, no checkpoint written; "
+                         r"0 actor\(s\) told to stop", log, re.M), log[-3000:]
+    finally:
+        learner.close()
+
+
+@pytest.mark.timeout(300)
+def test_learner_stop_tells_the_actors_and_shell_exit_codes_on_request(tmp_path, model_path):
+    # SIGTERM to the learner's pid only (what `dapo run` and Kubernetes send); torch engine: cheaper.
+    learner, address = start_learner(tmp_path, model_path, "--shell-exit-codes")
+    actor = Command(tmp_path / "actor.log", "actor", "--learner", address, *common(model_path, tmp_path / "run"),
+                    "actor.engine=torch")
+    try:
+        wait_for_step(learner, tmp_path / "run", 2, 240)
+        learner.proc.send_signal(signal.SIGTERM)
+        assert learner.exit_code(60) == 128 + signal.SIGTERM, learner.text()[-3000:]
+        assert actor.exit_code(60) == 0, actor.text()[-3000:]  # the actor was told, and left
+        stop = re.search(r"^learner: stopped at step \d+ \(SIGTERM\): final checkpoint \S+; 1 actor\(s\) told to "
+                         r"stop, 1 left and returned (\d+) lease\(s\)$", learner.text(), re.M)
+        assert stop, learner.text()[-3000:]
+        left = re.search(r"stopped \(the learner ended the run\): left the run; (\d+) leases returned", actor.text())
+        assert left and left.group(1) == stop.group(1), actor.text()[-3000:]
+        assert "Traceback" not in learner.text() + actor.text()
+    finally:
+        actor.close()
+        learner.close()
+
+
+@pytest.mark.timeout(300)
+def test_second_signal_stops_at_once_and_leaves_no_process(tmp_path, model_path):
+    learner, address = start_learner(tmp_path, model_path, "learner.num_ranks=2")
+    # The actor's verifier hangs: a first Ctrl-C waits for the scoring stage, a second must not.
+    actor = Command(tmp_path / "actor.log", "actor", "--learner", address, *common(model_path, tmp_path / "run"),
+                    "actor.engine=torch", "actor.reward_fn=actor_rewards:hang",
+                    "actor.verifier_timeout_s=600")
+    client = CoordinatorClient(address, TransportConfig().auth_token, timeout_s=5)
+    try:
+        deadline = time.monotonic() + 240
+        while not any(a.active_leases for a in client.call("Status", pb.StatusRequest()).actors) \
+                or not [p for p in actor.processes() if "actors.verifier" in " ".join(p.cmdline())]:
+            assert actor.proc.poll() is None and time.monotonic() < deadline, actor.text()[-3000:]
+            time.sleep(0.2)
+        procs = actor.processes()
+        actor.stop(signal.SIGINT, times=2)
+        assert actor.exit_code(30) == 1, actor.text()[-3000:]
+        assert_all_gone(procs)
+        assert "Traceback" not in actor.text() and "stopped at once (second SIGINT)" in actor.text()
+
+        procs = learner.processes()
+        assert len(procs) == 4  # the wrapper, torchrun, two ranks
+        learner.stop(signal.SIGINT, times=2)
+        assert learner.exit_code(30) == 1, learner.text()[-3000:]
+        assert_all_gone(procs)
+        log = learner.text()
+        assert "Traceback" not in log, log[-3000:]
+        assert re.search(r"^dapo learner: stopped at once \(second SIGINT\): killed torchrun and 2 rank process",
+                         log, re.M), log[-3000:]
+    finally:
+        client.close()
+        actor.close()
+        learner.close()
