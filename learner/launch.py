@@ -326,7 +326,10 @@ def _error_tail(log_path: Path, max_lines: int = 3) -> str:
 
 
 def _unix_time_at_step(records: list[dict], step: float, key: str) -> float:
-    return next(float(r["unix_time_s"]) for r in records if r["step"] == step and key in r and "unix_time_s" in r)
+    """When the record of ``step`` with ``key`` was known: its evaluation's end when it has one
+    (the learner evaluates in the background, after the step's own time)."""
+    rec = next(r for r in records if r["step"] == step and key in r and "unix_time_s" in r)
+    return float(rec.get("time/eval_done_unix_s", rec["unix_time_s"]))
 
 
 def progress_last(records: list[dict], key: str) -> float | None:
