@@ -241,13 +241,14 @@ def network_fetcher(address: str, auth_token: str, timeout_s: float
                     ) -> tuple[Callable[[int], tuple[int, dict[str, torch.Tensor]]], Callable[[], None]]:
     """(fetch(actor_id) -> (version, state_dict), close) over the network weight path; gRPC
     failures raise as from any call (nothing published yet: LearnerUnavailable)."""
-    from actors.weight_client import NetworkWeightClient, WeightFetchError
+    from actors.transports.base import WeightFetchError
+    from actors.transports.network import NetworkWeightClient
 
     weights = NetworkWeightClient(address, auth_token, timeout_s=timeout_s)
 
     def fetch(actor_id: int) -> tuple[int, dict[str, torch.Tensor]]:
         try:
-            version, state, _ = weights.fetch(actor_id)
+            version, state, _ = weights.receive(actor_id)
         except CoordinatorError:
             raise
         except (WeightFetchError, OSError) as exc:  # side channel down or a transfer that failed checks
@@ -275,7 +276,7 @@ class CollectiveFollower:
         self._thread.start()
 
     def _run(self) -> None:
-        from actors.weight_client import CollectiveUnsupported, CollectiveWeightReceiver
+        from actors.transports.collective import CollectiveUnsupported, CollectiveWeightReceiver
 
         host, port, name, timeout_s = self._args
         receiver = None

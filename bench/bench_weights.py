@@ -4,9 +4,9 @@
 
 Modes (the actor is a separate process; MB = 1e6 bytes; best / median of --reps):
   raw         sendall(memoryview) -> recv_into a preallocated buffer (the reference)
-  network     learner.publisher side channel -> actors.weight_client.SideChannelClient.read_into
+  network     learner.transports side channel -> actors.transports.side_channel.SideChannelClient.read_into
               (transfer only; + blake3 verify of every chunk reported separately)
-  collective  CollectiveBroadcaster -> CollectiveWeightReceiver (ProcessGroupGloo), 64 MiB buckets,
+  collective  CollectiveSender -> CollectiveWeightReceiver (ProcessGroupGloo), 64 MiB buckets,
               timed on the learner (broadcast of all buckets); verify reported separately
 """
 
@@ -41,7 +41,8 @@ def payload(size_mb: int) -> dict[str, torch.Tensor]:
 
 
 def actor_main(args: argparse.Namespace) -> None:
-    from actors.weight_client import CollectiveWeightReceiver, SideChannelClient
+    from actors.transports.collective import CollectiveWeightReceiver
+    from actors.transports.side_channel import SideChannelClient
     from dapo.weights import WeightManifest, bad_chunks
 
     torch.set_num_threads(1)

@@ -261,9 +261,9 @@ def check_publish(device: torch.device, small: bool) -> dict:
 def check_collective(device: torch.device, small: bool) -> dict:
     import threading
 
-    from actors.weight_client import CollectiveWeightReceiver
+    from actors.transports.collective import CollectiveWeightReceiver
     from learner.publisher import WeightPublisher
-    from protos.collective import resolve_backend
+    from protos.transports import resolve_backend
 
     backend = resolve_backend("auto", device)
     if backend == "nccl" and torch.cuda.device_count() < 2:

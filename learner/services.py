@@ -8,7 +8,7 @@ import torch
 
 from dapo.config import DapoConfig, to_dict
 from learner import loop
-from protos.collective import resolve_backend
+from protos.transports import resolve_backend
 
 
 class _Source:
@@ -67,8 +67,7 @@ def start_services(cfg: DapoConfig, model_path: Path, run_state: dict,
         evaluator = Evaluator(cfg, model_path)
     services = loop.Rank0Services(coordinator, replay, publisher, metrics, run_dir / "trained_prompts.jsonl", server,
                                   evaluator)
-    collective = (f", {publisher.collective.backend} collective store port {publisher.collective.port}"
-                  if publisher.collective else "")
-    print(f"learner: coordinator {server.address}, replay {replay.endpoint}, weights {publisher.server.endpoint}"
-          f" ({t.weight_path}{collective})", flush=True)
+    weights = ", ".join(f"{name} {sender.endpoint}" for name, sender in publisher.senders.items())
+    print(f"learner: coordinator {server.address}, replay {replay.endpoint}, weights ({t.weight_path}): {weights}",
+          flush=True)
     return services

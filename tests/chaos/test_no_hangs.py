@@ -152,7 +152,8 @@ def test_zmq_push_gives_up_at_its_deadline_when_the_queue_is_gone_full_or_killed
 
 @pytest.mark.timeout(60)
 def test_weight_side_channel_read_ends_at_its_deadline_when_the_peer_hangs_stalls_or_dies() -> None:
-    from actors.weight_client import SideChannelClient, WeightFetchError
+    from actors.transports.base import WeightFetchError
+    from actors.transports.side_channel import SideChannelClient
 
     dst = memoryview(bytearray(1 << 20))
     for what, first in (("a silent peer", b""), ("a peer that stops mid-transfer", b"x" * 1000)):
@@ -186,7 +187,7 @@ def test_weight_side_channel_read_ends_at_its_deadline_when_the_peer_hangs_stall
 
 @pytest.mark.timeout(90)
 def test_collective_receiver_raises_within_its_timeout_when_the_publisher_is_killed() -> None:
-    from actors.weight_client import CollectiveWeightReceiver
+    from actors.transports.collective import CollectiveWeightReceiver
 
     peer = spawn("publisher")
     try:

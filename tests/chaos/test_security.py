@@ -141,7 +141,7 @@ def _garbage_request(rng: random.Random, token: str) -> bytes:
 
 @pytest.mark.timeout(120)
 def test_weight_side_channel_survives_garbage_and_keeps_serving() -> None:
-    from actors.weight_client import SideChannelClient
+    from actors.transports.side_channel import SideChannelClient
     from learner.publisher import WeightPublisher
 
     pub = WeightPublisher(host="127.0.0.1", side_channel_port=0, auth_token=TOKEN, chunk_bytes=4096, timeout_s=0.5)

@@ -25,7 +25,9 @@ import grpc  # noqa: E402
 import numpy as np  # noqa: E402
 import zmq  # noqa: E402
 
-from actors.weight_client import CollectiveWeightReceiver, NetworkWeightClient, SideChannelClient  # noqa: E402
+from actors.transports.collective import CollectiveWeightReceiver  # noqa: E402
+from actors.transports.network import NetworkWeightClient  # noqa: E402
+from actors.transports.side_channel import SideChannelClient  # noqa: E402
 from dapo.wire import TrajectoryGroup, encode_group  # noqa: E402
 from actors.client import CoordinatorClient, CoordinatorError  # noqa: E402
 
@@ -100,7 +102,7 @@ def main() -> None:
             hb = client.heartbeat(actor_id, max(state["version"], 0))
             if args.weight_path == "network" and hb.latest_version > state["version"]:
                 try:
-                    version, weights, stats = net.fetch(actor_id)
+                    version, weights, stats = net.receive(actor_id)
                     state["version"] = version
                     if args.save_final:
                         from safetensors.torch import save_file

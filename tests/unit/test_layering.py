@@ -148,7 +148,7 @@ def test_one_home_per_concern():
 
 
 @pytest.mark.parametrize("path,source,flagged", [
-    ("actors/weight_client.py", "import grpc\ngrpc.insecure_channel(t)", True),
+    ("actors/transports/network.py", "import grpc\ngrpc.insecure_channel(t)", True),
     ("actors/client.py", "import grpc\ngrpc.insecure_channel(t)", False),
     ("learner/x.py", "from grpc import secure_channel\nsecure_channel(t, c)", True),
     ("actors/x.py", "md = (('x-dapo-token', token),)", True),
@@ -187,7 +187,9 @@ def test_no_pickle_on_any_path():
     ("dapo/x.py", "import os\nos.execvpe('a', [], {})"),  # exec allowed in dapo/cli.py only
     ("actors/x.py", "from learner import coordinator"),
     ("actors/engines/x.py", "from ...learner.publisher import x"),
-    ("learner/x.py", "import actors.weight_client"),
+    ("learner/x.py", "import actors.transports.network"),
+    ("learner/transports/x.py", "from actors.transports import base"),
+    ("actors/transports/x.py", "from learner.transports.collective import CollectiveSender"),
     ("protos/x.py", "from actors.client import CoordinatorClient"),
 ])
 def test_layering_checker_flags(path, source):

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from dapo.weights import (ALIGN_BYTES, WeightError, WeightManifest, bad_chunks, flatten_state_dict, unflatten)
+from dapo.weights import (ALIGN_BYTES, WeightError, WeightManifest, bad_chunks, flatten_state_dict, manifest_for,
+                          unflatten)
 
 
 def _state_dict() -> dict[str, torch.Tensor]:
@@ -76,29 +77,27 @@ def test_reused_buffer_and_version_checksum_changes_with_weights():
 import socket  # noqa: E402
 import threading  # noqa: E402
 from concurrent import futures  # noqa: E402
+from contextlib import contextmanager  # noqa: E402
 
-from actors.weight_client import (CollectiveWeightReceiver, NetworkWeightClient, SideChannelClient,  # noqa: E402
-                                  WeightFetchError)
+from actors.transports.base import WeightFetchError  # noqa: E402
+from actors.transports.collective import CollectiveWeightReceiver  # noqa: E402
+from actors.transports.network import NetworkWeightClient  # noqa: E402
+from actors.transports.side_channel import SideChannelClient  # noqa: E402
 from learner.publisher import WeightPublisher  # noqa: E402
 
 TOKEN = "t0k"
 
 
-def _grpc_server(publisher):
-    """The GetWeightInfo part of the coordinator service, enough for the weight client."""
+def _grpc_server(source):
+    """The learner's real gRPC weight RPCs (GetWeightInfo, FetchWeights) over ``source``."""
     import grpc
 
+    from learner.service import CoordinatorServicer
     from protos import coordinator_pb2_grpc as pbg
 
-    class Svc(pbg.CoordinatorServicer):
-        def GetWeightInfo(self, request, context):
-            info = publisher.info()
-            if info is None:
-                context.abort(grpc.StatusCode.UNAVAILABLE, "no weights yet")
-            return info
-
     server = grpc.server(futures.ThreadPoolExecutor(2))
-    pbg.add_CoordinatorServicer_to_server(Svc(), server)
+    pbg.add_CoordinatorServicer_to_server(CoordinatorServicer(None, None, zmq_endpoint="", weight_source=source),
+                                          server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     return server, f"127.0.0.1:{port}"
@@ -158,13 +157,13 @@ def test_network_path_verifies_and_refetches_a_corrupted_chunk():
     pub.server.endpoint = proxy.endpoint  # announce the proxy: the client's bytes pass through it
     client = NetworkWeightClient(target, TOKEN, timeout_s=10.0)
     try:
-        version, out, stats = client.fetch()
+        version, out, stats = client.receive()
         assert version == 1 and stats.refetched_chunks == 1 and stats.path == "network/tcp"
         for k in sd:
             assert torch.equal(out[k], sd[k])
         sd2 = {k: v + 1 if v.is_floating_point() else v for k, v in sd.items()}
         pub.publish(sd2, version=2)
-        version, out, stats = client.fetch()
+        version, out, stats = client.receive()
         assert version == 2 and stats.refetched_chunks == 0 and torch.equal(out["norm.weight"], sd2["norm.weight"])
     finally:
         client.close()
@@ -259,7 +258,7 @@ def test_collective_new_member_gets_the_latest_version_without_a_new_publish():
 
 
 def test_collective_backend_resolution_and_clear_errors():
-    from protos.collective import resolve_backend
+    from protos.transports import resolve_backend
 
     cpu = torch.device("cpu")
     assert resolve_backend("auto", cpu) == "gloo" and resolve_backend("gloo", cpu) == "gloo"
@@ -271,7 +270,7 @@ def test_collective_backend_resolution_and_clear_errors():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal of a CPU-only actor")
 def test_cpu_actor_refuses_an_nccl_group_before_joining_and_the_group_keeps_working():
-    from actors.weight_client import CollectiveUnsupported
+    from actors.transports.collective import CollectiveUnsupported
 
     pub = _publisher(collective_port=0, collective_backend="nccl")  # the store only: no NCCL call yet
     try:
@@ -331,3 +330,107 @@ def test_two_actors_with_the_same_name_are_two_members():
         assert sorted(pub.collective.acks(0)) == ["twin#1", "twin#2"]
     finally:
         pub.close()
+
+
+# ---------------------------------------------------------------- one interface test for every backend
+
+BACKENDS = ("side_channel", "grpc_stream", "collective")  # all that run on CPU (NCCL: bench/gpu_check.py)
+
+
+class _Announce:
+    """The publisher as the gRPC weight source, announcing ``endpoint`` as its side channel ("" = none:
+    actors use the FetchWeights stream); ``stall_reads`` makes FetchWeights hang like a dead peer."""
+
+    def __init__(self, pub, endpoint: str, stall_reads: bool = False) -> None:
+        self.pub, self.endpoint, self.stall = pub, endpoint, threading.Event() if stall_reads else None
+
+    def info(self):
+        info = self.pub.info()
+        if info is not None:
+            info.side_channel_endpoint = self.endpoint
+        return info
+
+    def read(self, version, offset, length):
+        if self.stall is not None:
+            self.stall.wait(10)  # released by the test's teardown
+        return self.pub.read(version, offset, length)
+
+
+@contextmanager
+def _pair(backend: str, timeout_s: float = 10.0, *, dead: bool = False):
+    """(publisher, receiver) of one backend; ``dead``: the peer the receiver reads from never answers."""
+    pub = _publisher(**({"collective_port": 0, "bucket_bytes": 200} if backend == "collective" else {}))
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts connections (backlog), never answers
+    servers, closers = [], [pub.close, silent.close]
+    try:
+        if backend == "collective":
+            rx = CollectiveWeightReceiver("127.0.0.1", pub.collective.port, "a", timeout_s=timeout_s, bucket_bytes=200)
+        else:
+            endpoint = (f"127.0.0.1:{silent.getsockname()[1]}" if dead else pub.server.endpoint) \
+                if backend == "side_channel" else ""
+            source = _Announce(pub, endpoint, stall_reads=dead)
+            servers.append(_grpc_server(source))
+            closers.append(lambda: source.stall and source.stall.set())
+            rx = NetworkWeightClient(servers[0][1], TOKEN, timeout_s=timeout_s)
+        closers.insert(0, rx.close)
+        yield pub, rx
+    finally:
+        for server, _ in servers:
+            server.stop(0)
+        for close in closers:
+            close()
+
+
+def _publish_and_receive(backend, pub, rx, sd, version):
+    if backend != "collective":  # pull: the version must be published first
+        pub.publish(sd, version=version)
+        return rx.receive()
+    metrics = []  # push: the publish blocks until the receiver takes part in the broadcast
+    th = threading.Thread(target=lambda: metrics.append(pub.publish(sd, version=version)))
+    th.start()
+    got = rx.receive()
+    th.join(30)
+    assert metrics[0]["weights/collective_members"] == 1.0, str(pub.last_collective_error)
+    return got
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().numpy().tobytes() if t.dtype != torch.bfloat16 else t.view(torch.int16).numpy().tobytes()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_backend_delivers_bit_exact_weights_with_version_and_checksum(backend):
+    sd = _state_dict() | {"odd_floats": torch.tensor([-0.0, float("nan"), 1e-40, -float("inf")])}
+    sd2 = {k: v * 3 if v.is_floating_point() else v + 1 for k, v in sd.items()}
+    path = {"side_channel": "network/tcp", "grpc_stream": "network/grpc", "collective": "collective"}[backend]
+    with _pair(backend) as (pub, rx):
+        for version, state in ((4, sd), (5, sd2)):
+            got_version, out, stats = _publish_and_receive(backend, pub, rx, state, version)
+            published = pub.store.latest()
+            assert (got_version, stats.version, stats.path) == (version, version, path)
+            assert stats.bytes == published.total_bytes and stats.refetched_chunks == 0
+            assert list(out) == list(state)
+            for k in state:  # bytes, not values: -0.0, NaN and denormals must survive
+                assert out[k].dtype == state[k].dtype and out[k].shape == state[k].shape
+                assert _raw(out[k]) == _raw(state[k]), k
+            # The receiver's whole buffer (padding included) hashes to the checksums the learner published.
+            storage = next(iter(out.values())).untyped_storage()
+            buf = torch.empty(0, dtype=torch.uint8).set_(storage)[:published.total_bytes]
+            again = manifest_for(buf, list(published.tensors), version=version, chunk_bytes=published.chunk_bytes)
+            assert again == published
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_backend_raises_a_clear_timeout_error_on_a_dead_peer(backend):
+    import time
+
+    from actors.client import LearnerUnavailable
+
+    timeout_s = 1.5
+    with _pair(backend, timeout_s, dead=True) as (pub, rx):
+        if backend != "collective":  # the collective peer is dead by never publishing
+            pub.publish(_state_dict(), version=1)
+        t0 = time.monotonic()
+        with pytest.raises((WeightFetchError, LearnerUnavailable), match="timed out|DEADLINE_EXCEEDED"):
+            rx.receive()
+        assert time.monotonic() - t0 < timeout_s + 5  # bounded by the receiver's deadline, not hung

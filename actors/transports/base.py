@@ -1,0 +1,94 @@
+"""What every weight receiver shares: the fetch statistics, manifest validation, the reusable
+receive buffer and checksum repair. One file per backend beside this one; the learner's senders
+are in ``learner/transports/``.
+
+A receiver's ``receive()`` returns ``(version, state dict, FetchStats)``: the state dict views a
+reused buffer, so load it (or copy it) before the next call. Every blocking call has a deadline;
+checksums are always verified, a corrupted chunk is refetched up to ``max_refetch`` times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from dapo.weights import TensorEntry, WeightError, WeightManifest, bad_chunks
+from protos import coordinator_pb2 as pb
+
+
+class WeightFetchError(RuntimeError):
+    """Weights could not be fetched or verified within the deadline / retry budget."""
+
+
+@dataclass
+class FetchStats:
+    """Time breakdown of one weight fetch on the actor, in seconds, and what was repaired."""
+
+    version: int = -1
+    transfer_s: float = 0.0
+    verify_s: float = 0.0
+    refetched_chunks: int = 0
+    bytes: int = 0
+    path: str = ""
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class WeightReceiver(Protocol):
+    def receive(self) -> tuple[int, dict[str, torch.Tensor], FetchStats]:
+        """The next (pull: the latest) version, verified; raises WeightFetchError."""
+
+    def close(self) -> None: ...
+
+
+RangeReader = Callable[[memoryview, int, int], None]
+"""``read(dst, version, offset)``: fill ``dst`` with bytes [offset, offset + len(dst)) of ``version``."""
+
+
+def manifest_from_info(info: pb.WeightInfo) -> WeightManifest:
+    """Validate a WeightInfo from the network into a WeightManifest (raises WeightError)."""
+    if info.checksum_algorithm not in ("blake3", ""):
+        raise WeightError(f"learner announces checksum {info.checksum_algorithm!r}; this actor verifies blake3")
+    from dapo.weights import _validate  # one validation routine for both paths
+
+    man = WeightManifest(int(info.version), int(info.total_bytes), int(info.chunk_bytes),
+                         tuple(TensorEntry(t.name, t.dtype, tuple(int(s) for s in t.shape), int(t.offset_bytes),
+                                           int(t.nbytes)) for t in info.manifest),
+                         tuple(info.chunk_checksums), info.version_checksum)
+    _validate(man)
+    return man
+
+
+def repair(buf: torch.Tensor, manifest: WeightManifest, read: RangeReader | None, max_refetch: int) -> int:
+    """Verify every chunk; refetch bad ones with ``read``. Returns chunks refetched."""
+    bad = bad_chunks(buf, manifest)
+    if bad and read is None:
+        raise WeightFetchError(f"version {manifest.version}: chunks {bad} fail their checksum and no "
+                               f"repair path is configured")
+    refetched = 0
+    mv = memoryview(buf.numpy())
+    for _ in range(max_refetch):
+        if not bad:
+            return refetched
+        for i in bad:
+            start, length = manifest.chunk_range(i)
+            read(mv[start:start + length], manifest.version, start)
+            refetched += 1
+        bad = bad_chunks(buf, manifest, bad)
+    if bad:
+        raise WeightFetchError(f"version {manifest.version}: chunks {bad} still fail their blake3 checksum "
+                               f"after {max_refetch} refetches; the learner's buffer or the network is corrupt")
+    return refetched
+
+
+class ReceiveBuffer:
+    """One reusable receive buffer (first-touch page faults cost ~30x a memcpy)."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self._buf = torch.empty(0, dtype=torch.uint8, device=device)
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        if self._buf.numel() < nbytes:
+            self._buf = torch.empty(nbytes, dtype=torch.uint8, device=self._buf.device)
+        return self._buf[:nbytes]

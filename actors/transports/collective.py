@@ -1,0 +1,139 @@
+"""Collective receiver: join through the learner's TCPStore -> wait for sync/<s> -> (new
+generation: build the group: gloo, or NCCL into a CUDA buffer copied to host) -> bucketed broadcast
+into a reused buffer -> verify -> refetch bad chunks over a ``base.RangeReader`` (the side channel)
+-> ack timings -> state dict. The store protocol is documented in learner/transports/collective.py.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from actors.transports.base import FetchStats, RangeReader, ReceiveBuffer, WeightFetchError, repair
+from dapo.weights import WeightManifest, unflatten
+from protos import transports
+
+
+class CollectiveUnsupported(WeightFetchError):
+    """The learner's collective backend cannot run in this process (e.g. NCCL on a CPU actor)."""
+
+
+class CollectiveWeightReceiver:
+    """Call ``receive()`` in a loop (a background thread): the learner's broadcast waits for every
+    member, so a member that does not call it stalls the sync until the learner's timeout.
+    ``repair_read(dst, version, offset)`` refetches corrupted chunks (e.g. a SideChannelClient).
+    """
+
+    def __init__(self, host: str, port: int, name: str, *, timeout_s: float, bucket_bytes: int = 64 << 20,
+                 repair_read: RangeReader | None = None, max_refetch: int = 3,
+                 after_receive: Callable[[torch.Tensor], None] | None = None,
+                 cuda_device: torch.device | None = None) -> None:
+        self.name = name
+        self._address = (host, port)
+        self._cuda_device = cuda_device  # NCCL receive device; None = the current CUDA device
+        self._staging: ReceiveBuffer | None = None
+        self._timeout = timedelta(seconds=timeout_s)
+        self._bucket_bytes = bucket_bytes
+        self._repair_read = repair_read
+        self._max_refetch = max_refetch
+        self._after_receive = after_receive  # fault injection in tests (corrupt bytes in transit)
+        self.store = dist.TCPStore(host, port, is_master=False, timeout=self._timeout)
+        self._pg = None
+        self._gen = -1
+        self._buffers = ReceiveBuffer()
+        self._staging_buffers(self.store.get("backend").decode())  # refuse before joining, not mid-sync
+        self._join()
+
+    def _join(self) -> None:
+        ticket = self.store.add("join_seq", 1)
+        self.store.set(f"join/{ticket}", self.name)
+        self._ticket = ticket
+        self._member = f"{self.name}#{ticket}"  # how sync records name this member (names may repeat)
+        self._sync: int | None = None
+
+    def receive(self) -> tuple[int, dict[str, torch.Tensor], FetchStats]:
+        """Block until the next sync this actor is in (bounded by timeout_s) and return its weights."""
+        try:
+            if self._sync is None:  # the learner tells a new member the first sync it takes part in
+                self._sync = int(self.store.get(f"join/{self._ticket}/sync"))
+            key = f"sync/{self._sync}"
+            self.store.wait([key], self._timeout)
+        except Exception as exc:  # noqa: BLE001 - torch's store timeout, or the learner's store is gone
+            raise WeightFetchError(f"timed out after {self._timeout.total_seconds()} s waiting for the next weight "
+                                   f"sync from the learner's store at {self._address[0]}:{self._address[1]}: {exc}") \
+                from exc
+        meta = json.loads(self.store.get(key))
+        if self._member not in meta["members"]:  # evicted after a failed sync: rejoin for the next one
+            self._pg, self._gen = None, -1
+            self._join()
+            return self.receive()
+        t0 = time.perf_counter()
+        manifest = WeightManifest.from_json(self.store.get(f"manifest/{meta['version']}"))
+        backend = meta.get("backend", "gloo")
+        staging = self._staging_buffers(backend)
+        if meta["gen"] != self._gen:
+            prefix = dist.PrefixStore(f"gen/{meta['gen']}/", self.store)
+            self._pg = transports.new_group(backend, prefix, meta["members"].index(self._member) + 1,
+                                            len(meta["members"]) + 1, self._timeout)
+            self._gen = meta["gen"]
+        buf = self._buffers.get(manifest.total_bytes)
+        dst = buf if staging is None else staging.get(manifest.total_bytes)
+        t1 = time.perf_counter()
+        try:
+            for start in range(0, dst.numel(), self._bucket_bytes):
+                work = self._pg.broadcast(dst[start:start + self._bucket_bytes], 0, self._timeout)
+                if not work.wait(self._timeout):
+                    raise TimeoutError(f"bucket at byte {start}")
+            if staging is not None:  # checksums and the engine's loader read host memory
+                buf.copy_(dst)
+        except Exception as exc:  # noqa: BLE001 - the group is unusable; rejoin next time
+            transports.abort(self._pg)
+            self._pg, self._gen = None, -1
+            self._join()
+            raise WeightFetchError(f"collective receive of version {manifest.version} failed: {exc}; "
+                                   f"rejoined for the next sync") from exc
+        t2 = time.perf_counter()
+        if self._after_receive is not None:
+            self._after_receive(buf)
+        refetched = repair(buf, manifest, self._repair_read, self._max_refetch)
+        t3 = time.perf_counter()
+        stats = FetchStats(manifest.version, t2 - t1, t3 - t2, refetched, manifest.total_bytes, "collective",
+                           {"group_s": t1 - t0})
+        self.store.set(f"ack/{self._sync}/{self._member}", json.dumps(
+            {"transfer_s": stats.transfer_s, "verify_s": stats.verify_s, "refetched": refetched}))
+        self._sync += 1
+        return manifest.version, unflatten(buf, manifest), stats
+
+    def _staging_buffers(self, backend: str) -> ReceiveBuffer | None:
+        """None for gloo (receive straight into host memory); a CUDA buffer for NCCL."""
+        if backend == "gloo":
+            return None
+        if backend != "nccl" or not (torch.cuda.is_available() and dist.is_nccl_available()):
+            # Joining would stall every sync of the group until the learner's timeout: refuse for good.
+            raise CollectiveUnsupported(
+                f"the learner broadcasts weights with {backend!r}, which this actor cannot receive "
+                f"(CUDA available: {torch.cuda.is_available()}, NCCL available: {dist.is_nccl_available()}); "
+                "start the learner with transport.collective_backend=gloo, or this actor with "
+                "transport.weight_path=network")
+        if self._staging is None:
+            self._staging = ReceiveBuffer(self._cuda_device or torch.device("cuda", torch.cuda.current_device()))
+        return self._staging
+
+    def leave(self) -> None:
+        """Graceful stop: mark this member gone, so the learner's next sync drops it rather than
+        failing on it (and making every member rejoin). Best effort, on a connection of its own:
+        another thread may be blocked in ``receive()`` on ``self.store``."""
+        try:
+            store = dist.TCPStore(*self._address, is_master=False, timeout=timedelta(seconds=5))
+            store.set(f"left/{self._ticket}", "1")
+        except Exception:  # noqa: BLE001 - learner gone: nothing to tell
+            pass
+
+    def close(self) -> None:
+        self._pg, self._staging = None, None
+
