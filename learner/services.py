@@ -67,7 +67,8 @@ def start_services(cfg: DapoConfig, model_path: Path, run_state: dict,
         evaluator = Evaluator(cfg, model_path)
     services = loop.Rank0Services(coordinator, replay, publisher, metrics, run_dir / "trained_prompts.jsonl", server,
                                   evaluator)
-    weights = ", ".join(f"{name} {sender.endpoint}" for name, sender in publisher.senders.items())
-    print(f"learner: coordinator {server.address}, replay {replay.endpoint}, weights ({t.weight_path}): {weights}",
-          flush=True)
+    collective = (f", {publisher.collective.backend} collective store port {publisher.collective.port}"
+                  if publisher.collective else "")
+    print(f"learner: coordinator {server.address}, replay {replay.endpoint}, weights {publisher.server.endpoint}"
+          f" ({t.weight_path}{collective})", flush=True)
     return services

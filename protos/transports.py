@@ -75,6 +75,13 @@ def new_group(backend: str, store: dist.Store, rank: int, size: int, timeout: ti
         return dist.ProcessGroupNCCL(store, rank, size, options)
 
 
+def broadcast_buckets(group: object, buf: torch.Tensor, bucket_bytes: int, timeout: timedelta) -> None:
+    """Broadcast ``buf`` from rank 0 in buckets, each bounded by ``timeout``; TimeoutError when one is not done."""
+    for start in range(0, buf.numel(), bucket_bytes):
+        if not group.broadcast(buf[start:start + bucket_bytes], 0, timeout).wait(timeout):
+            raise TimeoutError(f"bucket at byte {start} not done in {timeout.total_seconds()} s")
+
+
 def abort(group: object | None) -> None:
     """Best effort: release a failed NCCL communicator now (gloo groups need nothing)."""
     fn = getattr(group, "abort", None)

@@ -85,10 +85,7 @@ class CollectiveWeightReceiver:
         dst = buf if staging is None else staging.get(manifest.total_bytes)
         t1 = time.perf_counter()
         try:
-            for start in range(0, dst.numel(), self._bucket_bytes):
-                work = self._pg.broadcast(dst[start:start + self._bucket_bytes], 0, self._timeout)
-                if not work.wait(self._timeout):
-                    raise TimeoutError(f"bucket at byte {start}")
+            transports.broadcast_buckets(self._pg, dst, self._bucket_bytes, self._timeout)
             if staging is not None:  # checksums and the engine's loader read host memory
                 buf.copy_(dst)
         except Exception as exc:  # noqa: BLE001 - the group is unusable; rejoin next time

@@ -1,10 +1,6 @@
 """The interface between the weight publisher (version store + fan-out) and one transport backend.
-
-A sender gets each version as the publisher stores it (``publish``), may push the latest version
-again to receivers that joined since (``catch_up``, called while the loop waits for a batch), and
-says where receivers find it (``endpoint``). Pull backends (the side channel) read the store on
-request and do nothing in ``publish``. The actor side mirrors this in ``actors/transports/``.
-"""
+Pull backends (the side channel) read the store on request and push nothing; push backends (the
+collective) send every version. The actor side mirrors this in ``actors/transports/``."""
 
 from __future__ import annotations
 
@@ -25,33 +21,26 @@ class WeightSyncError(RuntimeError):
 
 @dataclass(frozen=True)
 class SenderOptions:
-    """What every sender is built from (each reads the fields its backend uses)."""
+    """What every sender is built from; each reads the fields its backend uses."""
 
     host: str
-    port: int
-    """0 = any free port (``endpoint`` tells which)."""
+    port: int  # 0 = any free port (the sender's ``endpoint`` tells which)
     auth_token: str
-    timeout_s: float
-    """Deadline of every blocking socket or collective call."""
-    bucket_bytes: int
-    """Collective: bytes per broadcast call."""
-    backend: str
-    """Collective: ``gloo`` or ``nccl`` (resolved: protos/transports.py)."""
-    device: torch.device
-    """Collective with NCCL: the CUDA device the buffer is staged on."""
+    timeout_s: float  # deadline of every blocking socket or collective call
+    bucket_bytes: int  # collective: bytes per broadcast call
+    backend: str  # collective: "gloo" or "nccl" (resolved by protos/transports.py)
+    device: torch.device  # collective with NCCL: the CUDA device the buffer is staged on
 
 
 class WeightSender(Protocol):
-    endpoint: str
-    """``host:port`` receivers connect to."""
+    endpoint: str  # host:port receivers connect to
 
     def __init__(self, store: VersionStore, options: SenderOptions) -> None: ...
 
     def publish(self, buf: torch.Tensor, manifest: WeightManifest) -> dict[str, float]:
-        """Make ``manifest.version`` (already in the store) reach the receivers; returns metrics.
-        Raises WeightSyncError; the version stays available on the other backends."""
+        """Send ``manifest.version`` (already in the store); metrics. Raises WeightSyncError."""
 
     def catch_up(self) -> dict[str, float]:
-        """Push the latest stored version to receivers that joined since the last publish ({} when none)."""
+        """Send the latest stored version to receivers that joined since ({} when none)."""
 
     def close(self) -> None: ...

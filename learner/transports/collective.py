@@ -125,7 +125,10 @@ class CollectiveSender:
                                                 timedelta(seconds=self.timeout_s))
                 self._rebuild = False
             t1 = time.perf_counter()
-            self._send(self._stage(buf))
+            src = self._stage(buf)
+            transports.broadcast_buckets(self._pg, src, self.bucket_bytes, timedelta(seconds=self.timeout_s))
+            if src.is_cuda:  # wait(timeout) ordered the stream; the time must include the transfer
+                torch.cuda.synchronize(src.device)
         except Exception as exc:  # noqa: BLE001 - any gloo/NCCL failure means the group is unusable
             transports.abort(self._pg)
             self.members, self._pg, self._rebuild = [], None, True
@@ -137,14 +140,6 @@ class CollectiveSender:
         t2 = time.perf_counter()
         return {"weights/collective_members": float(len(names)), "time/collective_group_s": t1 - t0,
                 "time/collective_transfer_s": t2 - t1}
-
-    def _send(self, src: torch.Tensor) -> None:
-        for start in range(0, src.numel(), self.bucket_bytes):
-            work = self._pg.broadcast(src[start:start + self.bucket_bytes], 0, timedelta(seconds=self.timeout_s))
-            if not work.wait(timedelta(seconds=self.timeout_s)):
-                raise TimeoutError(f"bucket at byte {start} not done in {self.timeout_s} s")
-        if src.is_cuda:  # wait(timeout) ordered the stream; the time must include the transfer
-            torch.cuda.synchronize(src.device)
 
     def _stage(self, buf: torch.Tensor) -> torch.Tensor:
         if self.backend != "nccl":

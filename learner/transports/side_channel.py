@@ -27,16 +27,6 @@ if TYPE_CHECKING:
 MAX_REQUEST_BYTES = 1 << 16
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    out = bytearray()
-    while len(out) < n:
-        part = sock.recv(n - len(out))
-        if not part:
-            raise ConnectionError(f"peer closed the connection after {len(out)} of {n} bytes")
-        out += part
-    return bytes(out)
-
-
 class SideChannelSender:
     """Pull backend: ``publish`` has nothing to push; actors read ranges of any held version."""
 
@@ -92,7 +82,10 @@ class SideChannelSender:
         if n > MAX_REQUEST_BYTES:
             self.counters["rejected"] += 1
             return False
-        req = pb.WeightRangeRequest.FromString(_recv_exact(conn, n))
+        body = conn.recv(n, socket.MSG_WAITALL)
+        if len(body) < n:  # counted as an error, like any broken request
+            raise ConnectionError(f"peer closed the connection after {len(body)} of {n} bytes")
+        req = pb.WeightRangeRequest.FromString(body)
         if not hmac.compare_digest(req.auth_token.encode(), self._token):
             self.counters["rejected"] += 1
             return False
