@@ -298,8 +298,8 @@ def check_collective(device: torch.device, small: bool) -> dict:
             th.join(0.05)
         m = pub.publish(sd, version=version + 1)
         th.join(120)
-        if errors or pub.last_collective_error:
-            raise RuntimeError(f"{errors or pub.last_collective_error}")
+        if errors or pub.errors.get("collective"):
+            raise RuntimeError(f"{errors or pub.errors['collective']}")
     finally:
         pub.close()
     (_, _, _), (v2, out, stats) = got

@@ -166,8 +166,7 @@ def publish(services: Rank0Services | None, state_dict: dict[str, torch.Tensor],
     services.coordinator.begin_publish(version)
     out = services.publisher.publish(state_dict, version)
     services.coordinator.set_version(version)
-    err = services.publisher.last_collective_error
-    if err is not None:
+    for err in services.publisher.errors.values():  # a failed sender; the version is still served by the others
         print(f"learner: {err}", flush=True)
     return out
 

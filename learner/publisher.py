@@ -107,10 +107,6 @@ class WeightPublisher:
     def collective(self) -> WeightSender | None:
         return self.senders.get("collective")
 
-    @property
-    def last_collective_error(self) -> WeightSyncError | None:
-        return self.errors.get("collective")
-
     def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
         """Serialise, store and hand ``version`` to every sender; returns the time breakdown.
 

@@ -5,8 +5,9 @@
 - Nothing under dapo/ actors/ learner/ protos/ unpickles: network data and checkpoints are
   parsed, never executed.
 - One home per concern: the gRPC channel is opened only by the one client (actors/client.py),
-  the auth metadata key is spelled only in protos/__init__.py, and the staleness bound k is
-  stored only by learner/admission.py.
+  the auth metadata key is spelled only in protos/__init__.py, the staleness bound k is
+  stored only by learner/admission.py, and kernel socket deadlines (SO_RCVTIMEO/SO_SNDTIMEO) are
+  set only by protos/transports.py (both ends of the weight side channel use it).
 """
 
 import ast
@@ -25,7 +26,7 @@ FORBIDDEN = {
     "protos": ("actors", "learner"),
 }
 HOMES = {"channel": "actors/client.py", "x-dapo-token": "protos/__init__.py",
-         "max_staleness_steps": "learner/admission.py"}
+         "max_staleness_steps": "learner/admission.py", "SO_RCVTIMEO": "protos/transports.py"}
 """Concern -> the one product file allowed to hold it (see ``home_violations``)."""
 PICKLERS = ("pickle", "_pickle", "cPickle", "cloudpickle", "dill", "joblib")
 # os functions that start a process. dapo/ may not call them; os.exec* replaces the current
@@ -92,8 +93,9 @@ def layering_violations(source: str, path: str) -> list[str]:
 
 
 def home_violations(source: str, path: str) -> list[str]:
-    """A gRPC channel opened, the auth metadata key spelled, or an attribute ``max_staleness_steps``
-    stored (``self.x = ...`` or a class field) in learner/ outside its home (HOMES)."""
+    """A gRPC channel opened, the auth metadata key spelled, an attribute ``max_staleness_steps``
+    stored (``self.x = ...`` or a class field) in learner/, or a kernel socket deadline set,
+    outside its home (HOMES)."""
     out = []
     for node in ast.walk(ast.parse(source, filename=path)):
         if (isinstance(node, ast.Call) and _call_name(node) in ("insecure_channel", "secure_channel")
@@ -101,6 +103,9 @@ def home_violations(source: str, path: str) -> list[str]:
             out.append(f"{path}:{node.lineno} opens a gRPC channel (use actors.client.CoordinatorClient)")
         if isinstance(node, ast.Constant) and node.value == "x-dapo-token" and path != HOMES["x-dapo-token"]:
             out.append(f"{path}:{node.lineno} spells the auth metadata key (use protos.AUTH_METADATA_KEY)")
+        if (isinstance(node, ast.Attribute) and node.attr in ("SO_RCVTIMEO", "SO_SNDTIMEO")
+                and path != HOMES["SO_RCVTIMEO"]):
+            out.append(f"{path}:{node.lineno} sets a kernel socket deadline (use protos.transports.set_kernel_timeouts)")
         targets = (node.targets if isinstance(node, ast.Assign)
                    else [node.target] if isinstance(node, ast.AnnAssign) else [])
         for t in targets:
@@ -157,6 +162,9 @@ def test_one_home_per_concern():
     ("learner/x.py", "class C:\n    max_staleness_steps: int", True),
     ("learner/admission.py", "class Admission:\n    max_staleness_steps: int", False),
     ("learner/x.py", "k = cfg.algorithm.max_staleness_steps", False),  # reading it is fine
+    ("actors/transports/x.py", "import socket\ns.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)", True),
+    ("learner/transports/x.py", "from socket import SOL_SOCKET\nimport socket as so\nso.SO_SNDTIMEO", True),
+    ("protos/transports.py", "import socket\ns.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)", False),
 ])
 def test_home_checker(path, source, flagged):
     assert bool(home_violations(source, path)) == flagged
