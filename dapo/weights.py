@@ -172,9 +172,13 @@ def flatten_state_dict(state_dict: Mapping[str, torch.Tensor], *, version: int, 
     if out is None or out.numel() < total:
         out = torch.empty(total, dtype=torch.uint8)
     buf = out[:total]
+    end = 0
     for e, t in zip(entries, state_dict.values()):
+        buf[end:e.offset_bytes].zero_()  # alignment padding: checksums must not see stale bytes
         dst = buf[e.offset_bytes:e.offset_bytes + e.nbytes].view(_DTYPES[e.dtype]).view(e.shape)
         dst.copy_(t.detach())
+        end = e.offset_bytes + e.nbytes
+    buf[end:].zero_()
     return buf, manifest_for(buf, entries, version=version, chunk_bytes=chunk_bytes)
 
 

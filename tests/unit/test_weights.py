@@ -72,6 +72,18 @@ def test_reused_buffer_and_version_checksum_changes_with_weights():
     assert man1.version_checksum != man2.version_checksum
 
 
+def test_checksums_do_not_depend_on_what_a_reused_buffer_held():
+    # Tensors are aligned to ALIGN_BYTES: the padding between them must be written too, or the same
+    # weights get different checksums in buffers that held different bytes before.
+    sd = _state_dict()
+    checksums = []
+    for fill in (0x00, 0xA5):
+        out = torch.full((1 << 12,), fill, dtype=torch.uint8)
+        _, man = flatten_state_dict(sd, version=1, chunk_bytes=64, out=out)
+        checksums.append(man.version_checksum)
+    assert checksums[0] == checksums[1]
+
+
 # ---------------------------------------------------------------- publisher <-> weight client (loopback)
 
 import socket  # noqa: E402
