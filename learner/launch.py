@@ -196,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
             progress.poll()
             if not startup_shown and any("time/step_s" in r for r in progress.records):
                 startup_shown = True
-                progress.bar.write(startup_breakdown(run_dir, progress.records, started_unix_s, spawned_unix_s))
+                progress.bar.write(startup_breakdown(run_dir, progress.records, started_unix_s, spawned_unix_s),
+                                   file=sys.stderr)
             if not learner.alive():
                 stop["why"] = f"learner exited ({learner.proc.returncode})"
             elif cfg.run.max_wall_time_s and time.monotonic() - t0 > cfg.run.max_wall_time_s:
