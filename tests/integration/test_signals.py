@@ -53,7 +53,9 @@ class Command:
 
     def __init__(self, log: Path, *args: str) -> None:
         self.log = log
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}  # HERE: actor_rewards
+        # VLLM_LOGGING_LEVEL: the services' own level (an in-process `dapo eval` test may have left ERROR).
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)]),  # HERE: actor_rewards
+               "VLLM_LOGGING_LEVEL": "WARNING"}
         self.proc = subprocess.Popen([sys.executable, "-m", "dapo.cli", *args], cwd=ROOT, stdout=open(log, "w"),
                                      stderr=subprocess.STDOUT, start_new_session=True, env=env)
 

@@ -8,6 +8,7 @@ load, so a real problem drowned in false alarms (actors.engines.vllm_engine). Th
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -34,8 +35,10 @@ def _phases(output: str) -> dict[str, list[str]]:
 
 @pytest.mark.timeout(300)
 def test_ten_right_loads_log_nothing_and_wrong_ones_still_warn_or_raise(random_tiny_model):
+    # At the actor's own log level: a test that ran `dapo eval` in-process left VLLM_LOGGING_LEVEL=ERROR.
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"}
     out = subprocess.run([sys.executable, str(HERE / "vllm_reloads.py"), str(random_tiny_model), "10"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=240)
+                         capture_output=True, text=True, timeout=240, env=env)
     phases = _phases(out.stdout)
     assert "end" in phases, out.stdout[-3000:] + out.stderr[-3000:]
     noise = [line for line in phases["loads"] if re.search(r"WARNING|Warning|ERROR|Error", line)]
