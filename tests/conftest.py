@@ -34,3 +34,15 @@ def random_tiny_model(tmp_path_factory) -> Path:
     build_model(tok, seed=0).save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+@pytest.fixture
+def one_gloo_rank(tmp_path):
+    """A one-rank gloo process group for in-process trainer tests."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

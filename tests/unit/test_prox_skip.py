@@ -29,17 +29,6 @@ def _shard(seed: int, num_minibatches: int, budget: int):
     return scatter_batch(batch, num_minibatches=num_minibatches, max_tokens_per_microbatch=budget)
 
 
-@pytest.fixture
-def one_gloo_rank(tmp_path):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("budget", [24, 10_000])  # several micro-batches per mini-batch, and one
 def test_first_minibatch_prox_from_its_own_forward_is_bit_identical(one_gloo_rank, budget):
     from learner.trainer import _SUMS

@@ -414,17 +414,6 @@ def check_against_reference(metrics: list[dict], weights: dict, num_minibatches:
     assert max(float((w - initial[n]).abs().max()) for n, w in ref_weights.items()) > 1e-3  # >> tolerance
 
 
-@pytest.fixture
-def one_gloo_rank(tmp_path):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("num_minibatches,budget", [(2, 24), (1, 10_000)])
 def test_training_steps_match_the_objective_computed_from_first_principles(one_gloo_rank, num_minibatches, budget):
