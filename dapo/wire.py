@@ -49,6 +49,7 @@ F32_MAX = 3.0e38
 LOGPROB_SLACK = 1e-4
 """Log-probs must be <= this (0 plus rounding slack of a log-softmax)."""
 FINISH_REASONS = ("stop", "length")
+"""Why a sample ended: a stop token, or the token budget. The one list; engines import it."""
 NUM_FRAMES = 5
 
 WIRE_ERROR_REASONS = (

@@ -24,7 +24,7 @@ from typing import Callable, Mapping
 
 import torch
 
-FINISH_REASONS = ("stop", "length")
+from dapo.wire import FINISH_REASONS
 
 
 @dataclass
