@@ -137,7 +137,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             "rate and verifier errors. Prompts render exactly as in training (dapo/data.py)."),
         epilog="Examples:\n"
                "  dapo eval builtin:tiny builtin --k 8\n"
-               "  dapo eval builtin:tiny ../shared/data/aime-2024.parquet --k 2 --limit 8\n"
+               "  dapo eval builtin:tiny data/aime-2024.parquet --k 2 --limit 8\n"
                "  dapo eval /models/Qwen2.5-Math-7B aime-2024.parquet --k 32 --top-p 0.7 "
                "--max-response-tokens 3072 --out aime.json\n"
                "Hydra overrides (key=value, see dapo/config.py) set what eval shares with training:\n"

@@ -38,7 +38,8 @@ def _exec_service(module: str, argv: list[str]) -> None:
     import importlib.util
 
     if importlib.util.find_spec(module) is None:
-        print(f"dapo: `{module}` is not built yet in this version of dapo.", file=sys.stderr)
+        print(f"dapo: `{module}` cannot be imported: install the whole repository (pip install -e .), "
+              "not only the dapo package.", file=sys.stderr)
         raise SystemExit(2)
     env = {**os.environ, **service_env()}
     os.execvpe(sys.executable, [sys.executable, "-m", module, *argv], env)

@@ -5,7 +5,7 @@
 
 Frame 0 is a msgpack map (the header); frames 1-4 are raw little-endian arrays, so decoding
 the bulk is a zero-copy ``np.frombuffer`` (measured: raw columnar frames are ~4x faster than
-pickle or msgpack-encoded arrays, ../shared/reference/cpu-distributed-and-transports.md §4).
+pickle or msgpack-encoded arrays).
 
 | frame | dtype  | length                     | content                                         |
 |-------|--------|----------------------------|-------------------------------------------------|

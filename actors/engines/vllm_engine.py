@@ -4,7 +4,6 @@ In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by ``dapo.runtime.service_
 ``collective_rpc("reload_weights", ...)`` can pass tensors directly: across processes vLLM's
 RPC would msgpack them into lists. ``reload_weights`` (not ``model.load_weights``) because on
 CPU vLLM repacks linear weights after loading and only the reload path redoes that.
-See shared/reference/vllm-on-cpu.md (beside the checkout) §5.
 """
 
 from __future__ import annotations
@@ -103,7 +102,7 @@ class VllmEngine(Engine):
         weights = dict(state_dict)
         if self._tied and "lm_head.weight" not in weights:
             # vLLM on CPU keeps a separately packed copy of a tied lm_head; without an explicit
-            # lm_head.weight the logits would keep using the old one (vllm-on-cpu.md §5).
+            # lm_head.weight the logits would keep using the old one.
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
         self._llm.apply_model(_skip_computed_buffers_on_reload)
         self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items()),

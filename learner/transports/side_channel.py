@@ -3,7 +3,7 @@
 Each request is a 4-byte LE length + ``WeightRangeRequest``; the answer is the range's raw bytes.
 Bad token, unknown version or bad range: the connection is closed (and counted). One thread per
 connection; a connection may carry several requests. Why raw TCP: measured on this VM gRPC-python
-streams ~0.3 GB/s, a raw socket 2-3 GB/s (shared/reference/cpu-distributed-and-transports.md).
+streams ~0.3 GB/s, a raw socket 2-3 GB/s.
 """
 
 from __future__ import annotations
