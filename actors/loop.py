@@ -94,7 +94,7 @@ class Actor:
                 if self.session is None:
                     if not self.connect():
                         break
-                    self.update_weights(reason="initial weights")
+                    self.update_weights(initial=True)
                 leases = self.lease()
                 if not leases:
                     continue
@@ -154,14 +154,15 @@ class Actor:
                  resp.run_id, self.client.address, resp.zmq_endpoint, resp.current_version)
         return True
 
-    def update_weights(self, reason: str = "newer weights") -> None:
+    def update_weights(self, *, initial: bool = False) -> None:
         """Fetch and load the learner's latest weights when they are ahead of the engine's (always
-        for ``initial weights``: after a learner restart the same number may be other weights)."""
-        if reason != "initial weights" and self.engine.version >= self.latest_version:
+        when ``initial``: after a learner restart the same number may be other weights)."""
+        reason = "initial weights" if initial else "newer weights"  # for the logs only
+        if not initial and self.engine.version >= self.latest_version:
             return
         session = self._session()
         received = session.follower.take() if session.follower is not None else None
-        if received is not None and received[0] >= self.latest_version and reason != "initial weights":
+        if received is not None and received[0] >= self.latest_version and not initial:
             version, state = received  # the broadcast is already here: nothing to fetch
             self.metrics.add("weight_loads_collective")
         else:
@@ -169,7 +170,7 @@ class Actor:
             if fetched is None:  # stopped while waiting
                 return
             version, state = fetched
-        if reason != "initial weights" and version <= self.engine.version:
+        if not initial and version <= self.engine.version:
             # Announced but not yet published where we fetch from: nothing newer to load yet.
             with self.metrics.stage("weight_wait"):
                 self.stop.wait(0.05)
@@ -179,7 +180,7 @@ class Actor:
         self.latest_version = max(self.latest_version, version)
         self.metrics.weight_version = version
         self.metrics.add("weight_loads")
-        log.log(logging.INFO if reason == "initial weights" else logging.DEBUG, "loaded weights v%d (%s) in %.3fs",
+        log.log(logging.INFO if initial else logging.DEBUG, "loaded weights v%d (%s) in %.3fs",
                 version, reason, self.metrics.last_stage_s["load_weights"])
 
     def _fetch(self, reason: str) -> tuple[int, dict] | None:
@@ -195,7 +196,7 @@ class Actor:
                 if self.stop.wait(delay_s):
                     return None
                 # At most 1 s: after a learner restart this loop is where the actor notices that its
-                # session is gone (the heartbeat thread marks it); a 10 s back-off here once kept
+                # session is gone (the heartbeat thread marks it); a 10 s back-off here would keep
                 # an actor away for a whole resumed run.
                 delay_s = min(delay_s * 2, 1.0, self.cfg.actor.connect_retry_max_s)
 
