@@ -57,7 +57,9 @@ BOXED_PREFIXES = ("aime",)
 SCORE_FN = "dapo.rewards:score"
 """``actor.reward_fn`` of this module's ``score`` (the default)."""
 
-Verifier = Callable[[str, str], tuple[bool, str]]
+AnswerCheck = Callable[[str, str], tuple[bool, str]]
+"""``(response, ground_truth) -> (correct, extracted answer)`` for one data source (the actors'
+``Verifier`` class runs ``score``, which picks one of these, in a worker process)."""
 
 
 class UnknownDataSource(ValueError):
@@ -109,7 +111,7 @@ def known_sources() -> str:
             f"{task.DATA_SOURCE} (built-in task)")
 
 
-def verifier_for(data_source: str) -> Verifier:
+def verifier_for(data_source: str) -> AnswerCheck:
     """The verifier for ``data_source``; UnknownDataSource naming the known sources when there is none."""
     if not isinstance(data_source, str):
         raise UnknownDataSource(f"data_source must be a string, got {data_source!r}: known sources are "
