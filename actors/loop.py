@@ -217,7 +217,7 @@ class Actor:
         if resp.denial == pb.LEASE_DENIAL_SHUTTING_DOWN:
             log.info("the run is stopping; leaving")
             self.stop.set()
-        elif resp.denial != pb.LEASE_DENIAL_WEIGHTS_TOO_OLD:  # too old: the next lease() updates first
+        elif resp.denial != pb.LEASE_DENIAL_WEIGHTS_UNUSABLE:  # the next lease() updates first
             with self.metrics.stage("lease_wait"):
                 self.stop.wait(max(resp.retry_after_s, 0.01))
         return []

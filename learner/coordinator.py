@@ -165,7 +165,7 @@ class Coordinator:
             # The first binding limit is the reason reported when fewer than asked are granted.
             # Ties go to the earlier entry: an actionable reason (shut down, load weights) first.
             limits = [(num_prompts, ""), (0 if self._shutdown else num_prompts, "shutting_down"),
-                      (num_prompts if usable else 0, "weights_too_old"),
+                      (num_prompts if usable else 0, "weights_unusable"),
                       (max(slots, 0), "staleness_bound"), (max(self.queue_max_groups - ledger.held, 0), "queue_full")]
             want, denial = min(limits, key=lambda lim: lim[0])
             grants = []
@@ -179,7 +179,7 @@ class Coordinator:
                 grants.append(ledger.grant(lease))
             if denial:
                 self._count(f"lease_denied/{denial}")
-            retry = 0.0 if denial in ("", "weights_too_old") else self.lease_retry_after_s
+            retry = 0.0 if denial in ("", "weights_unusable") else self.lease_retry_after_s
             return LeaseResult(grants, denial, retry, self._version)
 
     def lease_numbered(self, actor_id: int, num_prompts: int, weight_version: int, *, request_id: int,

@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-LEASE_DENIALS = ("staleness_bound", "weights_too_old", "data_exhausted", "queue_full", "shutting_down")
+LEASE_DENIALS = ("staleness_bound", "weights_unusable", "data_exhausted", "queue_full", "shutting_down")
 """Why ``lease`` granted fewer prompts than asked ("" = all granted)."""
 
 

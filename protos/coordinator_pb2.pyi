@@ -11,13 +11,13 @@ class LeaseDenial(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     LEASE_DENIAL_UNSPECIFIED: _ClassVar[LeaseDenial]
     LEASE_DENIAL_STALENESS_BOUND: _ClassVar[LeaseDenial]
-    LEASE_DENIAL_WEIGHTS_TOO_OLD: _ClassVar[LeaseDenial]
+    LEASE_DENIAL_WEIGHTS_UNUSABLE: _ClassVar[LeaseDenial]
     LEASE_DENIAL_DATA_EXHAUSTED: _ClassVar[LeaseDenial]
     LEASE_DENIAL_QUEUE_FULL: _ClassVar[LeaseDenial]
     LEASE_DENIAL_SHUTTING_DOWN: _ClassVar[LeaseDenial]
 LEASE_DENIAL_UNSPECIFIED: LeaseDenial
 LEASE_DENIAL_STALENESS_BOUND: LeaseDenial
-LEASE_DENIAL_WEIGHTS_TOO_OLD: LeaseDenial
+LEASE_DENIAL_WEIGHTS_UNUSABLE: LeaseDenial
 LEASE_DENIAL_DATA_EXHAUSTED: LeaseDenial
 LEASE_DENIAL_QUEUE_FULL: LeaseDenial
 LEASE_DENIAL_SHUTTING_DOWN: LeaseDenial

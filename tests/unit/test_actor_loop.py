@@ -77,7 +77,7 @@ class FakeClient:
                 self.current_version = max(self.current_version, item.latest_version)
                 return item
             if request.weight_version < self.current_version - RUN.max_staleness_steps:  # the admission rule
-                return pb.LeaseResponse(denial=pb.LEASE_DENIAL_WEIGHTS_TOO_OLD, latest_version=self.current_version)
+                return pb.LeaseResponse(denial=pb.LEASE_DENIAL_WEIGHTS_UNUSABLE, latest_version=self.current_version)
             leases = []
             for _ in range(min(request.num_prompts, self.leases_per_call)):
                 leases.append(pb.PromptLease(lease_id=self.next_lease, prompt_id=100 + self.next_lease,
@@ -143,9 +143,9 @@ def make_actor(monkeypatch):
 def test_newer_weights_are_loaded_before_leasing(make_actor):
     client = FakeClient(current_version=3)
     actor, engine, fetched = make_actor(client)
-    # The first lease reveals a newer version (and is refused: weights too old); the learner
+    # The first lease reveals a newer version (and is refused: weights unusable); the learner
     # publishes it.
-    client.lease_script = [pb.LeaseResponse(denial=pb.LEASE_DENIAL_WEIGHTS_TOO_OLD, latest_version=5)]
+    client.lease_script = [pb.LeaseResponse(denial=pb.LEASE_DENIAL_WEIGHTS_UNUSABLE, latest_version=5)]
 
     def bump_then_stop():
         if len(client.named("Lease")) >= 3:
@@ -162,7 +162,7 @@ def test_announced_but_unpublished_version_is_waited_for_not_reloaded(make_actor
     client = FakeClient(current_version=0)
     actor, engine, fetched = make_actor(client)
     client.published = 0
-    client.lease_script = [pb.LeaseResponse(denial=pb.LEASE_DENIAL_WEIGHTS_TOO_OLD, latest_version=2)]
+    client.lease_script = [pb.LeaseResponse(denial=pb.LEASE_DENIAL_WEIGHTS_UNUSABLE, latest_version=2)]
     fetch_calls = []
 
     def publish_later(actor_id):

@@ -93,7 +93,7 @@ def test_k0_is_synchronous_and_slots_free_after_training() -> None:
     assert sorted(g.prompt_id for g in batch) == sorted(g.prompt_id for g in first.leases)
     assert coord.lease(actor, 1, 0).denial == "staleness_bound"  # trained, but version still 0
     coord.set_version(1)
-    assert coord.lease(actor, 1, 0).denial == "weights_too_old"
+    assert coord.lease(actor, 1, 0).denial == "weights_unusable"
     again = coord.lease(actor, 4, 1)
     assert len(again.leases) == 2 and again.denial == "staleness_bound"
 
@@ -104,14 +104,14 @@ def test_k2_allows_three_steps_ahead() -> None:
     assert len(coord.lease(actor, 100, 0).leases) == 6  # (0 + 2 + 1) * 2
 
 
-def test_weights_too_old_has_zero_retry() -> None:
+def test_weights_unusable_has_zero_retry() -> None:
     coord = make(N=2, k=1)
     coord.set_version(3)
     actor = coord.register("a")
     denied = coord.lease(actor, 2, 1)
-    assert (denied.leases, denied.denial, denied.retry_after_s, denied.latest_version) == ([], "weights_too_old", 0.0, 3)
+    assert (denied.leases, denied.denial, denied.retry_after_s, denied.latest_version) == ([], "weights_unusable", 0.0, 3)
     assert len(coord.lease(actor, 2, 2).leases) == 2
-    assert coord.lease(actor, 2, 4).denial == "weights_too_old"  # ahead: learner restarted from a checkpoint
+    assert coord.lease(actor, 2, 4).denial == "weights_unusable"  # ahead: learner restarted from a checkpoint
 
 
 def test_queue_credit_bounds_in_flight_plus_queued() -> None:
@@ -295,7 +295,7 @@ def test_lease_budget_counts_from_the_asking_actors_weights() -> None:
 def test_weights_fetchable_before_the_version_is_announced_are_leased_and_admitted(tmp_path, monkeypatch) -> None:
     """learner.loop.publish: weights v become fetchable (and are broadcast) before the
     coordinator announces v. An actor that gets them in that window (it registered, or is a
-    collective member) leases with v and pushes groups of v: not refused as weights_too_old
+    collective member) leases with v and pushes groups of v: not refused as weights_unusable
     (retry 0: it would spin on Lease), not dropped as future_version."""
     import torch
 
@@ -326,8 +326,8 @@ def test_weights_fetchable_before_the_version_is_announced_are_leased_and_admitt
         loop.publish(services, {"w": torch.ones(4)}, 1)
     finally:
         publisher.close()
-    assert seen == [(0, 0, "", 0.0), "", "weights_too_old",
-                    (1, 0, "", 0.0), "", "weights_too_old"]
+    assert seen == [(0, 0, "", 0.0), "", "weights_unusable",
+                    (1, 0, "", 0.0), "", "weights_unusable"]
     assert coord.version == 1 and buf.depth == 2
 
 
