@@ -302,7 +302,7 @@ class DynamicSamplingFilter:
 
     @classmethod
     def from_config(cls, cfg: AlgorithmConfig) -> "DynamicSamplingFilter":
-        return cls(cfg.num_prompts_per_step, cfg.max_filtered_groups_per_step,
+        return cls(cfg.num_prompts_per_step, cfg.max_consecutive_filtered_groups,
                    enabled=cfg.dynamic_sampling)
 
     @property
@@ -379,7 +379,7 @@ class DynamicSamplingFilter:
         return (f"dynamic sampling stalled: {self.consecutive_dropped_groups} groups in a row were "
                 f"dropped ({n_correct} all-correct, {n_wrong} all-wrong) while the batch holds "
                 f"{self.pending_groups}/{self.num_groups_per_batch} groups, reaching "
-                f"algorithm.max_filtered_groups_per_step={self.max_dropped_groups}. Groups are "
+                f"algorithm.max_consecutive_filtered_groups={self.max_dropped_groups}. Groups are "
                 f"{hint}; or raise algorithm.num_samples_per_prompt (a bigger group mixes more often); "
-                f"or raise algorithm.max_filtered_groups_per_step (0 = never stop); or set "
+                f"or raise algorithm.max_consecutive_filtered_groups (0 = never stop); or set "
                 f"algorithm.dynamic_sampling=false to train on every group.")

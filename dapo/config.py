@@ -103,7 +103,7 @@ class AlgorithmConfig:
     """Mask the loss of truncated samples (overlong filtering)."""
     dynamic_sampling: bool = True
     """Drop groups whose accuracy is all 0 or all 1 and lease more prompts until the batch is full."""
-    max_filtered_groups_per_step: int = 200
+    max_consecutive_filtered_groups: int = 200
     """Dynamic-sampling budget: after this many consecutive dropped groups without filling a batch,
     stop with an error (0 = never stop)."""
     prox_logp: str = "recompute"
@@ -124,8 +124,8 @@ class AlgorithmConfig:
         _check(self.loss_agg in AGG_MODES, "algorithm.loss_agg", self.loss_agg, f"one of {AGG_MODES}")
         _check(self.overlong_cache_tokens >= 0, "algorithm.overlong_cache_tokens",
                self.overlong_cache_tokens, ">= 0")
-        _check(self.max_filtered_groups_per_step >= 0, "algorithm.max_filtered_groups_per_step",
-               self.max_filtered_groups_per_step, ">= 0")
+        _check(self.max_consecutive_filtered_groups >= 0, "algorithm.max_consecutive_filtered_groups",
+               self.max_consecutive_filtered_groups, ">= 0")
         _check(self.prox_logp in ("recompute", "bypass"), "algorithm.prox_logp", self.prox_logp,
                "recompute or bypass")
         _check(self.tis_cap is None or self.tis_cap > 0, "algorithm.tis_cap", self.tis_cap, "null or > 0")

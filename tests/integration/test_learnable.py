@@ -106,7 +106,7 @@ def _group(prompt_id: int, samples, scored, cfg, version: int):
 def _collect_batch(sampler, cfg, train_problems, step: int):
     """N groups that pass dynamic sampling (the replay queue's rule), and the truncated count."""
     n, g = cfg.algorithm.num_prompts_per_step, cfg.algorithm.num_samples_per_prompt
-    filt = algorithm.DynamicSamplingFilter(n, max_dropped_groups=cfg.algorithm.max_filtered_groups_per_step)
+    filt = algorithm.DynamicSamplingFilter(n, max_dropped_groups=cfg.algorithm.max_consecutive_filtered_groups)
     groups, truncated, prompt_id = [], 0, step * 10_000
     while not filt.batch_full:
         problems = [next(train_problems) for _ in range(n - filt.pending_groups)]

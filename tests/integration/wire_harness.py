@@ -38,7 +38,7 @@ def make_cfg(*, transport: dict[str, Any] | None = None, **algorithm: Any) -> Da
              heartbeat_timeout_s=5.0, queue_max_groups=16, lease_retry_after_s=0.05)
     t.update(transport or {})
     a = dict(num_prompts_per_step=4, num_samples_per_prompt=4, max_staleness_steps=1,
-             max_filtered_groups_per_step=0)
+             max_consecutive_filtered_groups=0)
     a.update(algorithm)
     cfg = DapoConfig(transport=TransportConfig(**t), algorithm=AlgorithmConfig(**a))
     cfg.actor = dataclasses.replace(cfg.actor, max_response_tokens=16, prompts_per_lease=2, heartbeat_interval_s=0.2)

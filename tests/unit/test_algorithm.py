@@ -418,7 +418,7 @@ def test_filter_budget_fires_exactly_at_the_budget(budget):
     with pytest.raises(DynamicSamplingStalled) as err:
         f.offer([0, 0])
     msg = str(err.value)
-    assert f"algorithm.max_filtered_groups_per_step={budget}" in msg
+    assert f"algorithm.max_consecutive_filtered_groups={budget}" in msg
     assert "algorithm.dynamic_sampling=false" in msg and "algorithm.num_samples_per_prompt" in msg
     assert "easier data" in msg and f"{budget} groups in a row" in msg
     assert f.dropped_all_wrong_groups == budget  # the last drop is counted before raising
@@ -456,7 +456,7 @@ def test_filter_budget_zero_never_raises_and_disabled_keeps_all():
 
 
 def test_filter_from_config_and_reset():
-    cfg = load_config(["algorithm.num_prompts_per_step=4", "algorithm.max_filtered_groups_per_step=7"])
+    cfg = load_config(["algorithm.num_prompts_per_step=4", "algorithm.max_consecutive_filtered_groups=7"])
     f = DynamicSamplingFilter.from_config(cfg.algorithm)
     assert (f.num_groups_per_batch, f.max_dropped_groups, f.enabled) == (4, 7, True)
     grpo = DynamicSamplingFilter.from_config(load_config(["algorithm=grpo"]).algorithm)

@@ -64,7 +64,7 @@ def test_default_is_dapo_and_overrides_apply_on_top_of_a_preset():
     ("algorithm.loss_agg=foo", "algorithm.loss_agg"),
     ("algorithm.clip_c=0.5", "algorithm.clip_c"),
     ("algorithm.num_minibatches_per_step=3", "algorithm.num_minibatches_per_step"),
-    ("algorithm.max_filtered_groups_per_step=-1", "algorithm.max_filtered_groups_per_step"),
+    ("algorithm.max_consecutive_filtered_groups=-1", "algorithm.max_consecutive_filtered_groups"),
     ("algorithm.overlong_cache_tokens=100", "algorithm.overlong_cache_tokens"),
     ("learner.lr=-1", "learner.lr"),
     ("actor.top_p=0", "actor.top_p"),
