@@ -56,9 +56,6 @@ class Rank0Services:
     """learner.evaluate.Evaluator, or None when learner.eval_every_steps = 0."""
     held_records: list = field(default_factory=list)
     """Step records not logged yet, in step order: (step, values, awaits its evaluation)."""
-    unix_minus_time_s: float | None = None
-    """unix_time_s - time_s of the metrics logger: held records carry the time of their step, not
-    of their logging."""
 
 
 class StopFlag:
@@ -193,12 +190,9 @@ def save_checkpoint(cfg: DapoConfig, trainer: Trainer, services: Rank0Services |
 
 
 def hold(services: Rank0Services, step: int, values: dict[str, float], *, awaits_eval: bool) -> None:
-    """Queue a step record, stamped with the time now; ``flush_records`` logs it in step order."""
-    if services.unix_minus_time_s is None:  # the logger's time_s counts from its creation
-        services.unix_minus_time_s = time.time() - (time.monotonic() - services.metrics._t0)
-    now = time.time()
-    values = {**values, "unix_time_s": now, "time_s": now - services.unix_minus_time_s}
-    services.held_records.append((step, values, awaits_eval))
+    """Queue a step record, stamped with the time now (held records carry the time of their step,
+    not of their logging); ``flush_records`` logs it in step order."""
+    services.held_records.append((step, {**values, **services.metrics.stamp()}, awaits_eval))
 
 
 def flush_records(services: Rank0Services, *, block: bool = False) -> None:

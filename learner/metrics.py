@@ -46,9 +46,13 @@ class MetricsLogger:
             self._prom = prometheus_client.CollectorRegistry()
             prometheus_client.start_http_server(prometheus_port, addr=prometheus_host, registry=self._prom)
 
+    def stamp(self) -> dict[str, float]:
+        """The time now as a record carries it (``log`` takes a record's own stamp when it has one).
+        unix_time_s: lets `dapo run` measure from its own start (start-up included)."""
+        return {"time_s": time.monotonic() - self._t0, "unix_time_s": time.time()}
+
     def log(self, step: int, values: Mapping[str, float]) -> dict[str, float]:
-        # unix_time_s: lets `dapo run` measure from its own start (start-up included).
-        record = {"step": step, "time_s": time.monotonic() - self._t0, "unix_time_s": time.time()}
+        record = {"step": step, **self.stamp()}
         record.update({k: float(v) for k, v in values.items()})
         self._jsonl.write(json.dumps(record) + "\n")
         finite = {k: v for k, v in record.items() if k != "step" and math.isfinite(v)}
