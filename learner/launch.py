@@ -264,13 +264,18 @@ def with_free_ports(transport):
     chosen, holders = {}, []
     for key in PORT_KEYS:
         if getattr(transport, key) == 0:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind((_connect_host(transport.host), 0))
-            holders.append(sock)  # held until all are chosen: no two keys get the same port
-            chosen[key] = sock.getsockname()[1]
+            holders.append(_reserve_port(_connect_host(transport.host)))  # held: no two keys share a port
+            chosen[key] = holders[-1].getsockname()[1]
     for sock in holders:
         sock.close()
     return replace(transport, **chosen)
+
+
+def _reserve_port(host: str) -> socket.socket:
+    """A TCP socket bound to a free port on ``host``; closing it frees the port for the learner."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((host, 0))
+    return sock
 
 
 def _connect_host(host: str) -> str:
@@ -285,10 +290,8 @@ def learner_command(cfg, overrides: list[str]) -> tuple[list[str], dict[str, str
     Several ranks go through ``python -m learner`` (torchrun, signal forwarding)."""
     if cfg.learner.num_ranks > 1:
         return [sys.executable, "-m", "learner", *overrides], {}
-    master = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    master.bind(("127.0.0.1", 0))
-    port = master.getsockname()[1]
-    master.close()
+    with _reserve_port("127.0.0.1") as master:
+        port = master.getsockname()[1]
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     return [sys.executable, "-m", "learner.main", *overrides], env
