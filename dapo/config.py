@@ -12,6 +12,7 @@ The config lives in ``dapo/`` (not beside each service) because the actors, the 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -346,6 +347,33 @@ class TransportConfig:
         _check(self.queue_max_groups >= 1, "transport.queue_max_groups", self.queue_max_groups, ">= 1")
         _check(self.lease_timeout_s > 0, "transport.lease_timeout_s", self.lease_timeout_s, "> 0")
         _check(self.lease_retry_after_s >= 0, "transport.lease_retry_after_s", self.lease_retry_after_s, ">= 0")
+
+
+DEFAULT_AUTH_TOKEN = next(f.default for f in dataclasses.fields(TransportConfig) if f.name == "auth_token")
+
+
+def is_loopback(host: str) -> bool:
+    """127.x, ::1 and ``localhost``; any other name may resolve to a public interface."""
+    name = host.strip().strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def public_bind_error(t: TransportConfig) -> str | None:
+    """Why the services must not start with this transport config, or None. The default token is
+    printed in the README: beyond loopback anyone who reaches the ports could act as an actor."""
+    if is_loopback(t.host) or t.auth_token != DEFAULT_AUTH_TOKEN:
+        return None
+    return (f"transport.host={t.host} accepts connections from other machines, but transport.auth_token is the "
+            f"public default {DEFAULT_AUTH_TOKEN!r}: anyone who can reach the ports could register as an actor and "
+            "push groups. Generate a token with\n"
+            "  python -c \"import secrets; print(secrets.token_hex(16))\"\n"
+            "and pass it to the learner and to every actor as transport.auth_token=<token> (or bind to loopback: "
+            "transport.host=127.0.0.1).")
 
 
 @dataclass

@@ -19,6 +19,16 @@ def signal_on_parent_death(sig: int) -> bool:
     return True
 
 
+def die_with_parent() -> None:
+    """A learner rank (or the torchrun under ``dapo learner``): SIGKILL when the parent dies. torchrun
+    starts ranks in sessions of their own: after a kill -9 of torchrun they would live on holding the
+    learner's ports, so a resumed learner could not bind."""
+    import signal
+
+    if signal_on_parent_death(signal.SIGKILL) and os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
 def service_env() -> dict[str, str]:
     """Environment variables for any process dapo starts.
 

@@ -92,7 +92,7 @@ def main() -> None:
         signal.signal(sig, lambda signum, _frame: received.append(signum))
     shell_exit_codes = SHELL_EXIT_CODES in argv
     argv = [a for a in argv if a != SHELL_EXIT_CODES]
-    from dapo.config import ConfigError, load_config
+    from dapo.config import ConfigError, load_config, public_bind_error
     from dapo.runtime import service_env
 
     torchrun, overrides = split_args(argv)
@@ -101,8 +101,6 @@ def main() -> None:
     except ConfigError as exc:
         print(f"dapo learner: {exc}", file=sys.stderr)
         raise SystemExit(2)
-    from learner.main import public_bind_error
-
     refusal = public_bind_error(cfg.transport)
     if refusal:
         print(f"dapo learner: {refusal}", file=sys.stderr)
@@ -133,7 +131,7 @@ def run_torchrun(cmd: list[str], env: dict[str, str], received: list[int], run_d
     exits 0. torchrun dies with this process (PR_SET_PDEATHSIG), and the ranks die with torchrun
     (learner.main), so a kill -9 here leaves nothing behind.
     """
-    from learner.main import die_with_parent
+    from dapo.runtime import die_with_parent
 
     def preexec() -> None:
         die_with_parent()

@@ -2,59 +2,21 @@
 
 from __future__ import annotations
 
-import dataclasses
-import ipaddress
 import os
 import sys
 from datetime import timedelta
 
-from dapo.runtime import apply_service_env, signal_on_parent_death
+from dapo.runtime import apply_service_env, die_with_parent
 
 apply_service_env()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from dapo.config import DapoConfig, TransportConfig, load_config  # noqa: E402
+from dapo.config import DapoConfig, load_config, public_bind_error  # noqa: E402
 from learner import checkpoint, loop  # noqa: E402
 from learner.services import start_services  # noqa: E402
 from learner.trainer import Trainer, TrainerSettings  # noqa: E402
-
-
-def die_with_parent() -> None:
-    """torchrun starts ranks in sessions of their own: after a kill -9 of torchrun they would live on
-    holding the learner's ports, so a resumed learner could not bind."""
-    import signal
-
-    if signal_on_parent_death(signal.SIGKILL) and os.getppid() == 1:  # the parent died before prctl took effect
-        os._exit(1)
-
-
-DEFAULT_AUTH_TOKEN = next(f.default for f in dataclasses.fields(TransportConfig) if f.name == "auth_token")
-
-
-def is_loopback(host: str) -> bool:
-    """127.x, ::1 and ``localhost``; any other name may resolve to a public interface."""
-    name = host.strip().strip("[]").lower()
-    if name == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
-
-
-def public_bind_error(t: TransportConfig) -> str | None:
-    """Why the services must not start with this transport config, or None. The default token is
-    printed in the README: beyond loopback anyone who reaches the ports could act as an actor."""
-    if is_loopback(t.host) or t.auth_token != DEFAULT_AUTH_TOKEN:
-        return None
-    return (f"transport.host={t.host} accepts connections from other machines, but transport.auth_token is the "
-            f"public default {DEFAULT_AUTH_TOKEN!r}: anyone who can reach the ports could register as an actor and "
-            "push groups. Generate a token with\n"
-            "  python -c \"import secrets; print(secrets.token_hex(16))\"\n"
-            "and pass it to the learner and to every actor as transport.auth_token=<token> (or bind to loopback: "
-            "transport.host=127.0.0.1).")
 
 
 def main(argv: list[str]) -> int:

@@ -179,8 +179,7 @@ def test_weight_side_channel_survives_garbage_and_keeps_serving() -> None:
     ("[::1]", None, False), ("0.0.0.0", None, True), ("::", None, True), ("10.0.0.5", None, True),
     ("learner.example.org", None, True), ("", None, True), ("0.0.0.0", "9f86d081884c7d659a2feaa0c55ad015", False)])
 def test_which_binds_need_a_token_of_their_own(host, token, refused) -> None:
-    from dapo.config import TransportConfig
-    from learner.main import public_bind_error
+    from dapo.config import TransportConfig, public_bind_error
 
     t = TransportConfig(host=host, **({"auth_token": token} if token else {}))
     assert (public_bind_error(t) is not None) == refused
