@@ -37,8 +37,8 @@ def _skip_computed_buffers_on_reload(model: torch.nn.Module) -> None:
     tensor is the cos/sin cache it computes from the config (no checkpoint has it), logs
     "RotaryEmbedding: Failed to load weights" at every reload, then restores the cache: the load is
     right, the warning is not. SKIP_LOAD_TENSORS is vLLM's own list of such never-loaded names;
-    runs inside the worker (``apply_model``). A missing parameter still warns ("Following weights
-    were not loaded"), a mis-shaped one still raises."""
+    runs inside the worker (``apply_model``), once per engine. A missing parameter still warns
+    ("Following weights were not loaded"), a mis-shaped one still raises."""
     try:
         from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
     except ImportError:  # a vLLM without layerwise reload: nothing is miscounted
@@ -76,6 +76,7 @@ class VllmEngine(Engine):
                             logprobs_mode="processed_logprobs", enable_prefix_caching=True)
         finally:
             noise.removeFilter(drop)
+        self._llm.apply_model(_skip_computed_buffers_on_reload)  # once: the skip list is process-wide
 
     def _sample(self, sequences: list[list[int]], n: int, max_tokens: int, temperature: float,
                 top_p: float, seed: int) -> list[list[RawSample]]:
@@ -104,7 +105,6 @@ class VllmEngine(Engine):
             # vLLM on CPU keeps a separately packed copy of a tied lm_head; without an explicit
             # lm_head.weight the logits would keep using the old one.
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-        self._llm.apply_model(_skip_computed_buffers_on_reload)
         self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items()),
                                                            "is_checkpoint_format": True})
         # Cached KV blocks were computed with the old weights.
