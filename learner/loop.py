@@ -21,7 +21,6 @@ import json
 import signal
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -31,31 +30,10 @@ import torch.distributed as dist
 from dapo.config import DapoConfig
 from learner import checkpoint
 from learner.batch import batch_metrics, from_groups, scatter_batch
+from learner.rank0 import Rank0Services
 from learner.trainer import Trainer
 
 WAIT, BATCH, STOP, ERROR = 0, 1, 2, 3
-
-
-@dataclass
-class Rank0Services:
-    """What the loop needs on rank 0 (``learner.main.start_services`` builds them)."""
-
-    coordinator: Any
-    """learner.coordinator.Coordinator: set_version, state_dict, counters, status."""
-    replay: Any
-    """learner.replay.ReplayQueue: get_batch(timeout_s) -> N groups (raises TimeoutError), counters()."""
-    publisher: Any
-    """learner.publisher.WeightPublisher."""
-    metrics: Any
-    """learner.metrics.MetricsLogger."""
-    audit_path: Path
-    """trained_prompts.jsonl: one line per step {step, prompt_ids} (the exactly-once audit)."""
-    server: Any = None
-    """learner.service.CoordinatorServer (stopped at teardown)."""
-    evaluator: Any = None
-    """learner.evaluate.Evaluator, or None when learner.eval_every_steps = 0."""
-    held_records: list = field(default_factory=list)
-    """Step records not logged yet, in step order: (step, values, awaits its evaluation)."""
 
 
 class StopFlag:
@@ -184,7 +162,7 @@ def save_checkpoint(cfg: DapoConfig, trainer: Trainer, services: Rank0Services |
     if services is not None and services.evaluator is not None:
         services.evaluator.wait()  # it reseeds the global RNG, which the checkpoint saves
     run_state = {"step": step, "version": step, "coordinator": services.coordinator.state_dict(),
-                 "replay": services.replay.buffer.state_dict()} if services else None
+                 "replay": services.replay.state_dict()} if services else None
     checkpoint.save(cfg.run.run_dir, step, trainer.model, trainer.optimizer, trainer.scheduler, run_state,
                     model_path)
 

@@ -15,7 +15,7 @@ import torch.distributed as dist  # noqa: E402
 
 from dapo.config import DapoConfig, load_config, public_bind_error  # noqa: E402
 from learner import checkpoint, loop  # noqa: E402
-from learner.services import start_services  # noqa: E402
+from learner.rank0 import Rank0Services, start_services  # noqa: E402
 from learner.trainer import Trainer, TrainerSettings  # noqa: E402
 
 
@@ -69,7 +69,7 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def stop_services(cfg: DapoConfig, services: loop.Rank0Services, step: int, start_step: int, reason: str) -> None:
+def stop_services(cfg: DapoConfig, services: Rank0Services, step: int, start_step: int, reason: str) -> None:
     """After ``request_shutdown``: wait until the actors heard it and left (they return their leases
     while the services are still up), close the services, and say in one line what was done."""
     coordinator = services.coordinator

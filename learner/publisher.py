@@ -5,7 +5,7 @@
    │ serialise: dapo.weights.flatten_state_dict into a recycled buffer + blake3 chunk checksums
    ▼
  VersionStore (latest `keep_versions` versions, ref-counted buffers)
-   ├── WeightSource hook -> gRPC GetWeightInfo / FetchWeights (learner/service.py, slow fallback)
+   ├── WeightSource hook -> gRPC GetWeightInfo / FetchWeights (learner/grpc_server.py, slow fallback)
    └── senders (learner/transports/, by name): side_channel (raw TCP pull), collective (broadcast)
 ```
 """
@@ -140,7 +140,7 @@ class WeightPublisher:
                 out[f"weights/{name}_error"] = 1.0
         return out
 
-    # ---- the WeightSource hook of learner/service.py
+    # ---- the WeightSource hook of learner/grpc_server.py
 
     def info(self) -> pb.WeightInfo | None:
         """Latest version's manifest and the side-channel endpoint; None before the first publish."""

@@ -310,6 +310,12 @@ class ReplayQueue:
     def depth(self) -> int:
         return self.buffer.depth
 
+    def state_dict(self) -> dict[str, Any]:
+        return self.buffer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.buffer.load_state_dict(state)
+
     def close(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
         self.buffer.close()

@@ -1,5 +1,5 @@
 """gRPC-stream receiver half: range reads over the FetchWeights stream (the slow fallback when the
-learner announces no side channel; served by learner/service.py from the publisher's store)."""
+learner announces no side channel; served by learner/grpc_server.py from the publisher's store)."""
 
 from __future__ import annotations
 

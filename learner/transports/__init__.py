@@ -1,7 +1,7 @@
 """Weight transports, learner side: one sender per backend (``base.WeightSender``), by name.
 
 A new backend is one file here and one line in SENDERS (and its receiver in ``actors/transports/``).
-The gRPC FetchWeights stream needs no sender: learner/service.py serves it from the publisher's
+The gRPC FetchWeights stream needs no sender: learner/grpc_server.py serves it from the publisher's
 version store (``WeightPublisher.info`` / ``read``).
 """
 

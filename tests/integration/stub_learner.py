@@ -59,7 +59,7 @@ def main() -> int:
     from learner.coordinator import Coordinator
     from learner.publisher import WeightPublisher
     from learner.replay import ReplayQueue
-    from learner.service import CoordinatorServer
+    from learner.grpc_server import CoordinatorServer
 
     cfg = load_config(args.overrides)
     path = resolve_model_path(cfg)

@@ -14,7 +14,7 @@ from typing import Any
 from dapo.config import AlgorithmConfig, DapoConfig, TransportConfig
 from learner.coordinator import Coordinator
 from learner.replay import ReplayQueue
-from learner.service import CoordinatorServer
+from learner.grpc_server import CoordinatorServer
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "test-token"

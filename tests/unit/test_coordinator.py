@@ -300,6 +300,7 @@ def test_weights_fetchable_before_the_version_is_announced_are_leased_and_admitt
     import torch
 
     from learner import loop
+    from learner.rank0 import Rank0Services
     from learner.publisher import WeightPublisher
 
     coord = make(N=2, k=0)
@@ -320,7 +321,7 @@ def test_weights_fetchable_before_the_version_is_announced_are_leased_and_admitt
         seen.append(coord.lease(actor, 1, fetched + 1).denial)  # weights no one published
 
     monkeypatch.setattr(publisher.store, "put", put_then_fetch)
-    services = loop.Rank0Services(coord, None, publisher, None, tmp_path / "audit.jsonl")
+    services = Rank0Services(coord, None, publisher, None, tmp_path / "audit.jsonl")
     try:
         loop.publish(services, {"w": torch.zeros(4)}, 0)  # the initial weights
         loop.publish(services, {"w": torch.ones(4)}, 1)

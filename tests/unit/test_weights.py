@@ -104,7 +104,7 @@ def _grpc_server(source):
     """The learner's real gRPC weight RPCs (GetWeightInfo, FetchWeights) over ``source``."""
     import grpc
 
-    from learner.service import CoordinatorServicer
+    from learner.grpc_server import CoordinatorServicer
     from protos import coordinator_pb2_grpc as pbg
 
     server = grpc.server(futures.ThreadPoolExecutor(2))

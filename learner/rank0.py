@@ -2,13 +2,40 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from dapo.config import DapoConfig, to_dict
-from learner import loop
 from protos.transports import resolve_backend
+
+if TYPE_CHECKING:  # imported where they are built: a rank > 0 never loads gRPC, ZMQ or the publisher
+    from learner.coordinator import Coordinator
+    from learner.evaluate import Evaluator
+    from learner.grpc_server import CoordinatorServer
+    from learner.metrics import MetricsLogger
+    from learner.publisher import WeightPublisher
+    from learner.replay import ReplayQueue
+
+
+@dataclass
+class Rank0Services:
+    """What the training loop uses on rank 0 (``start_services`` builds them)."""
+
+    coordinator: Coordinator
+    replay: ReplayQueue
+    publisher: WeightPublisher
+    metrics: MetricsLogger
+    audit_path: Path
+    """trained_prompts.jsonl: one line per step {step, prompt_ids} (the exactly-once audit)."""
+    server: CoordinatorServer | None = None
+    """Stopped at teardown."""
+    evaluator: Evaluator | None = None
+    """None when learner.eval_every_steps = 0."""
+    held_records: list[tuple[int, dict[str, float], bool]] = field(default_factory=list)
+    """Step records not logged yet, in step order: (step, values, awaits its evaluation)."""
 
 
 class _Source:
@@ -26,7 +53,7 @@ class _Source:
 
 
 def start_services(cfg: DapoConfig, model_path: Path, run_state: dict,
-                   device: torch.device = torch.device("cpu")) -> loop.Rank0Services:
+                   device: torch.device = torch.device("cpu")) -> Rank0Services:
     """Start everything rank 0 serves; ``run_state`` comes from a checkpoint (resume; {} when
     fresh); ``device`` is rank 0's training device (it decides the collective weight path's backend)."""
     from transformers import AutoConfig, AutoTokenizer
@@ -36,7 +63,7 @@ def start_services(cfg: DapoConfig, model_path: Path, run_state: dict,
     from learner.metrics import MetricsLogger
     from learner.publisher import WeightPublisher
     from learner.replay import ReplayQueue
-    from learner.service import CoordinatorServer
+    from learner.grpc_server import CoordinatorServer
 
     t = cfg.transport
     prompts = build_dataset(cfg, "train", AutoTokenizer.from_pretrained(model_path))
@@ -48,7 +75,7 @@ def start_services(cfg: DapoConfig, model_path: Path, run_state: dict,
     vocab_size = AutoConfig.from_pretrained(model_path).get_text_config().vocab_size
     replay = ReplayQueue(cfg, coordinator, vocab_size=vocab_size)
     if "replay" in run_state:  # absent on a fresh start
-        replay.buffer.load_state_dict(run_state["replay"])
+        replay.load_state_dict(run_state["replay"])
     publisher = WeightPublisher(
         host=t.host, side_channel_port=t.weight_port, auth_token=t.auth_token, chunk_bytes=t.weight_chunk_bytes,
         timeout_s=cfg.learner.weight_sync_timeout_s, dtype=getattr(torch, cfg.model.dtype),
@@ -65,7 +92,7 @@ def start_services(cfg: DapoConfig, model_path: Path, run_state: dict,
         from learner.evaluate import Evaluator
 
         evaluator = Evaluator(cfg, model_path)
-    services = loop.Rank0Services(coordinator, replay, publisher, metrics, run_dir / "trained_prompts.jsonl", server,
+    services = Rank0Services(coordinator, replay, publisher, metrics, run_dir / "trained_prompts.jsonl", server,
                                   evaluator)
     collective = (f", {publisher.collective.backend} collective store port {publisher.collective.port}"
                   if publisher.collective else "")
