@@ -146,11 +146,6 @@ class Coordinator:
             self._count("actors_left")
             return n
 
-    def expire(self) -> None:
-        """Declare silent actors dead and time out old leases (also runs at every call)."""
-        with self._lock:
-            self._expire_locked()
-
     # ------------------------------------------------------------------ leases
 
     def lease(self, actor_id: int, num_prompts: int, weight_version: int) -> LeaseResult:
@@ -286,8 +281,6 @@ class Coordinator:
         """``PromptLedger.audit``: every issued prompt in exactly one state."""
         with self._lock:
             return self.ledger.audit()
-
-    audit_state = staticmethod(PromptLedger.audit_state)
 
     # ------------------------------------------------------------------ checkpoints
 

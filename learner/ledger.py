@@ -202,9 +202,7 @@ class PromptLedger:
         self.next_lease_id = state["next_lease_id"]
         self.pending = deque(int(p) for p in state["pending"])
         self.trained = {int(p) for p in state["trained"]}
-        # Checkpoints written before the audit existed lack "filtered" (audit() then reports
-        # those prompts as lost; training itself does not need them).
-        self.filtered = {int(p) for p in state.get("filtered", ())}
+        self.filtered = {int(p) for p in state["filtered"]}
 
     @classmethod
     def audit_state(cls, state: dict[str, Any]) -> dict[str, int]:

@@ -242,13 +242,13 @@ def audit_run(run_dir: Path, *, total_steps: int, num_prompts_per_step: int, max
     metrics.jsonl, the final checkpoint's coordinator state and the actors' generation records.
     Returns the numbers; the caller asserts (``check_audit``)."""
     from learner.checkpoint import latest_checkpoint
-    from learner.coordinator import Coordinator
+    from learner.ledger import PromptLedger
 
     trained = effective_trained(run_dir)
     ids = [p for _, ps in trained for p in ps]
     ckpt = latest_checkpoint(run_dir)
     state = json.loads((ckpt / "run_state.json").read_text())
-    books = Coordinator.audit_state(state["coordinator"])
+    books = PromptLedger.audit_state(state["coordinator"])
     metrics = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "staleness/max_steps" in r]
     last = {}
     for r in metrics:  # after a resume, the last record of a step is the one that counts

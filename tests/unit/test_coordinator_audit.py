@@ -8,6 +8,7 @@ import json
 import numpy as np
 
 from learner.coordinator import Coordinator
+from learner.ledger import PromptLedger
 from learner.replay import GroupLimits, ReplayBuffer
 from dapo.algorithm import DynamicSamplingFilter
 from dapo.wire import TrajectoryGroup
@@ -71,7 +72,7 @@ def test_every_state_is_counted_and_nothing_is_lost_across_epochs_and_a_dead_act
                              "queued": 1, "lost": 0, "duplicates": 0, "unknown": 0}
     # A checkpoint of this state audits the same (active + queued are saved as pending), with no data.
     saved = json.loads(json.dumps(coord.state_dict()))
-    assert Coordinator.audit_state(saved) == {"issued": 10, "trained": 2, "filtered": 1, "pending": 7,
+    assert PromptLedger.audit_state(saved) == {"issued": 10, "trained": 2, "filtered": 1, "pending": 7,
                                               "in_flight": 0, "queued": 0, "lost": 0, "duplicates": 0, "unknown": 0}
     assert {g.prompt_id for g in dead} <= set(saved["pending"])
 
@@ -87,15 +88,3 @@ def test_a_leaked_a_duplicated_and_a_foreign_prompt_are_reported() -> None:
         coord.ledger.pending.append(10_000)  # never issued by the cursor
     report = coord.audit()
     assert (report["lost"], report["duplicates"], report["unknown"]) == (1, 1, 1)
-
-
-def test_old_checkpoints_without_filtered_report_the_filtered_prompts_as_lost() -> None:
-    coord = make()
-    buf = ReplayBuffer(coord, max_groups=100, dynamic_filter=DynamicSamplingFilter(2, 0), limits=LIMITS)
-    actor = coord.register("a")
-    grant = coord.lease(actor, 1, 0).leases[0]
-    buf.admit(group(coord, grant, actor, (0.0, 0.0)))
-    state = coord.state_dict()
-    assert state["filtered"] == [grant.prompt_id]
-    del state["filtered"]
-    assert Coordinator.audit_state(state)["lost"] == 1
