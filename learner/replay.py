@@ -119,12 +119,8 @@ class ReplayBuffer:
         self.last_filter_stats: FilterStats | None = None
 
     def count(self, name: str, n: int = 1) -> None:
-        self.count_many(**{name: n})
-
-    def count_many(self, **increments: int) -> None:
         with self._count_cond:
-            for name, n in increments.items():
-                self.counts[name] = self.counts.get(name, 0) + n
+            self.counts[name] = self.counts.get(name, 0) + n
             self._count_cond.notify_all()
 
     def wait_until(self, predicate: Callable[[dict[str, int]], bool], timeout_s: float) -> bool:
@@ -257,12 +253,7 @@ class ReplayQueue:
     def __init__(self, cfg: DapoConfig, coordinator: Coordinator, *, vocab_size: int,
                  dynamic_filter: DynamicSamplingFilter | None = None) -> None:
         """``vocab_size``: the model's vocabulary size (its embedding rows), for GroupLimits."""
-        t = cfg.transport
-        self.auth_token = t.auth_token
-        self.max_message_bytes = t.max_message_bytes
-        self.host, self.port = t.host, t.zmq_port
-        self.curve_keys = (t.curve_server_secret_key, t.curve_server_public_key)
-        self.rpc_timeout_s = t.rpc_timeout_s
+        self.transport = t = cfg.transport
         self.buffer = ReplayBuffer(
             coordinator, max_groups=t.queue_max_groups, limits=GroupLimits.from_config(cfg, vocab_size),
             dynamic_filter=dynamic_filter or DynamicSamplingFilter.from_config(cfg.algorithm))
@@ -274,27 +265,22 @@ class ReplayQueue:
 
     def start(self) -> str:
         """Bind and start receiving; returns the bound endpoint ``tcp://host:port``."""
+        t = self.transport
+        if t.curve_server_secret_key and not t.curve_server_public_key:
+            raise ValueError("transport.curve_server_secret_key is set but transport.curve_server_public_key "
+                             "is empty: set both (zmq.curve_keypair() gives a pair)")
         sock = self._ctx.socket(zmq.PULL)
         # RCVHWM counts messages: with lease credit it is never reached by well-behaved actors.
         sock.setsockopt(zmq.RCVHWM, self.buffer.max_groups)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        sock.setsockopt(zmq.MAXMSGSIZE, t.max_message_bytes)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.RCVTIMEO, int(self.rpc_timeout_s * 1000))
-        secret, public = self.curve_keys
-        if secret:
-            if not public:
-                sock.close(linger=0)
-                raise ValueError("transport.curve_server_secret_key is set but transport.curve_server_public_key "
-                                 "is empty: set both (zmq.curve_keypair() gives a pair)")
-            sock.curve_secretkey = secret.encode()
-            sock.curve_publickey = public.encode()
+        sock.setsockopt(zmq.RCVTIMEO, int(t.rpc_timeout_s * 1000))
+        if t.curve_server_secret_key:
+            sock.curve_secretkey = t.curve_server_secret_key.encode()
+            sock.curve_publickey = t.curve_server_public_key.encode()
             sock.curve_server = True
-        if self.port == 0:
-            port = sock.bind_to_random_port(f"tcp://{self.host}")
-        else:
-            sock.bind(f"tcp://{self.host}:{self.port}")
-            port = self.port
-        self.endpoint = f"tcp://{self.host}:{port}"
+        sock.bind(f"tcp://{t.host}:{t.zmq_port or '*'}")  # port 0: the OS picks a free one
+        self.endpoint = f"tcp://{t.host}:{sock.last_endpoint.decode().rsplit(':', 1)[1]}"
         self._sock = sock
         self._thread = threading.Thread(target=self._receive_loop, name="replay-receiver", daemon=True)
         self._thread.start()
@@ -305,10 +291,6 @@ class ReplayQueue:
 
     def counters(self) -> dict[str, float]:
         return self.buffer.snapshot()
-
-    @property
-    def depth(self) -> int:
-        return self.buffer.depth
 
     def state_dict(self) -> dict[str, Any]:
         return self.buffer.state_dict()
@@ -324,13 +306,6 @@ class ReplayQueue:
             if self._thread.is_alive():
                 raise RuntimeError(f"replay receiver thread did not stop within {timeout_s} s")
         self._thread = None
-
-    def __enter__(self) -> "ReplayQueue":
-        self.start()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
 
     # ------------------------------------------------------------------ receiver thread
 
@@ -380,9 +355,11 @@ class ReplayQueue:
 
     def _ingest(self, frames: Sequence[memoryview]) -> None:
         buf = self.buffer
-        buf.count_many(received_messages=1, received_bytes=sum(f.nbytes for f in frames))
+        buf.count("received_messages")
+        buf.count("received_bytes", sum(f.nbytes for f in frames))
         try:
-            group = decode_group(frames, auth_token=self.auth_token, max_message_bytes=self.max_message_bytes)
+            group = decode_group(frames, auth_token=self.transport.auth_token,
+                                 max_message_bytes=self.transport.max_message_bytes)
             buf.admit(group)
         except WireError as exc:
             buf.count(f"dropped/{exc.reason}")
