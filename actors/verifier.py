@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 
 FAILED_REWARD = -1.0
 """Reward of a response whose verifier raised or timed out."""
-DEFAULT_SCORE_FN = SCORE_FN
 MAX_IN_FLIGHT_BYTES = 32 << 10
 """Requests written ahead of their replies, in bytes: half a Linux pipe's 64 KiB capacity."""
 START_TIMEOUT_S = 60.0
@@ -72,7 +71,7 @@ class UnscorableDataSource(UnknownDataSource):
 class Verifier:
     """``score(data_source, response, ground_truth)`` calls bounded by ``timeout_s`` each."""
 
-    def __init__(self, timeout_s: float, score_fn: str = DEFAULT_SCORE_FN) -> None:
+    def __init__(self, timeout_s: float, score_fn: str = SCORE_FN) -> None:
         if timeout_s <= 0:
             raise ValueError(f"verifier timeout_s must be > 0, got {timeout_s}")
         self.timeout_s = timeout_s
@@ -81,7 +80,6 @@ class Verifier:
         self.num_errors = 0
         """Calls that raised or timed out (each scored FAILED_REWARD)."""
         self.num_timeouts = 0
-        self.num_restarts = 0
         self._proc: subprocess.Popen | None = None
         self._unpacker = msgpack.Unpacker(raw=False)
 
@@ -96,21 +94,19 @@ class Verifier:
         self._unpacker = msgpack.Unpacker(raw=False)
         reply = self._read(START_TIMEOUT_S)
         if reply is None or reply[0] != "ok" or reply[3] != "ready":
-            self._kill()
+            self.close()
             raise VerifierError(f"verifier worker for {self.score_fn!r} did not start within "
                                 f"{START_TIMEOUT_S:.0f}s (reply {reply!r}); check that the module "
                                 "imports and the function exists: python -m actors.verifier " + self.score_fn)
 
-    def _kill(self) -> None:
+    def close(self) -> None:
+        """Kill the worker, if any; the next call starts a fresh one."""
         if self._proc is not None:
             self._proc.kill()
             self._proc.wait()
             for stream in (self._proc.stdin, self._proc.stdout):
                 stream.close()
             self._proc = None
-
-    def close(self) -> None:
-        self._kill()
 
     def _read(self, timeout_s: float) -> list | None:
         """Next reply from the child, or None when the deadline passes or the child died."""
@@ -168,16 +164,15 @@ class Verifier:
                 # Hung (or died): its state is unknown, so replace the worker.
                 self.num_errors += 1
                 self.num_timeouts += 1
-                self.num_restarts += 1
                 log.warning("verifier %s gave no answer within %.1fs for a %s response of %d chars; "
                             "scored %.0f and restarting the worker", self.score_fn, self.timeout_s,
                             data_source, len(response), FAILED_REWARD)
-                self._kill()
+                self.close()
                 return out + [Verdict(FAILED_REWARD, False, "", "timeout")]
             in_flight_bytes -= in_flight.popleft()
             status, reward, acc, pred = reply
             if status == "unknown_source":
-                self._kill()  # replies to the requests still in flight would come back out of turn
+                self.close()  # replies to the requests still in flight would come back out of turn
                 raise UnscorableDataSource(
                     f"actor.reward_fn={self.score_fn} cannot score data_source {data_source!r}: {pred} The "
                     "prompts' data and the scoring function disagree: give the learner and its actors the "
@@ -230,4 +225,4 @@ def _die_with_parent() -> None:
 
 if __name__ == "__main__":
     _die_with_parent()
-    _worker_main(sys.argv[1] if len(sys.argv) > 1 else DEFAULT_SCORE_FN)
+    _worker_main(sys.argv[1] if len(sys.argv) > 1 else SCORE_FN)
