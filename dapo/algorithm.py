@@ -234,20 +234,6 @@ def overlong_penalty(length: Any, max_len: int, cache_len: int) -> Any:
     return float(min(max((start - length) / ramp, -1.0), 0.0))
 
 
-def overlong_filter_mask(truncated: Any) -> Any:
-    """Overlong filtering: per-sample loss-mask factor, 0.0 for truncated samples, else 1.0.
-
-    ``truncated``: bool [B] (finish reason ``length``) as a tensor (returns a float tensor), an
-    array or list (returns a float64 array), or a bool (returns a float). Multiply each sample's
-    token mask by it; truncated samples still count in their group's advantage statistics.
-    """
-    if isinstance(truncated, torch.Tensor):
-        return (~truncated.to(torch.bool)).to(torch.get_default_dtype())
-    if isinstance(truncated, (bool, np.bool_)):
-        return 0.0 if truncated else 1.0
-    return (~np.asarray(truncated, dtype=bool)).astype(np.float64)
-
-
 # ---------------------------------------------------------------- dynamic sampling
 
 

@@ -14,7 +14,6 @@ from dapo.algorithm import (
     FilterStats,
     group_advantages,
     loss_kwargs,
-    overlong_filter_mask,
     overlong_penalty,
     policy_loss,
 )
@@ -365,13 +364,6 @@ def test_overlong_penalty_edge_cases():
     assert overlong_penalty(12, 48, 48) == -0.25
     with pytest.raises(ValueError, match="overlong_cache_tokens"):
         overlong_penalty(10, 8, 16)
-
-
-def test_overlong_filter_mask():
-    assert overlong_filter_mask(torch.tensor([True, False, True])).tolist() == [0.0, 1.0, 0.0]
-    assert overlong_filter_mask([False, True]).tolist() == [1.0, 0.0]
-    assert overlong_filter_mask(np.array([1, 0])).tolist() == [0.0, 1.0]
-    assert overlong_filter_mask(True) == 0.0 and overlong_filter_mask(False) == 1.0
 
 
 # ---------------------------------------------------------------- dynamic sampling
