@@ -99,11 +99,6 @@ def verify_boxed(response: str, ground_truth: str) -> tuple[bool, str]:
     return pred == gt, pred
 
 
-def verify_builtin(response: str, ground_truth: str) -> tuple[bool, str]:
-    """The built-in task's verifier (``dapo.task.verify``)."""
-    return task.verify(response, ground_truth)
-
-
 def known_sources() -> str:
     """Human-readable list of the data sources ``score`` accepts."""
     return (f"{', '.join(DAPO_SOURCES)}, {'*, '.join(DAPO_PREFIXES)}* (DAPO math); "
@@ -117,7 +112,7 @@ def verifier_for(data_source: str) -> AnswerCheck:
         raise UnknownDataSource(f"data_source must be a string, got {data_source!r}: known sources are "
                          f"{known_sources()}.")
     if data_source == task.DATA_SOURCE:
-        return verify_builtin
+        return task.verify
     if data_source in DAPO_SOURCES or data_source.startswith(DAPO_PREFIXES):
         return verify_dapo_math
     if data_source in BOXED_SOURCES or data_source.startswith(BOXED_PREFIXES):
