@@ -16,6 +16,7 @@ zlib.crc32 3.1 GB/s; blake3 is as fast and does not let a corrupted chunk collid
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Iterable, Mapping
 
@@ -118,13 +119,10 @@ def _validate(man: WeightManifest) -> None:
     for t in man.tensors:
         if t.dtype not in _DTYPES:
             raise WeightError(f"tensor {t.name!r} has dtype {t.dtype!r}; expected one of {sorted(_DTYPES)}")
-        numel = 1
-        for s in t.shape:
-            if s < 0:
-                raise WeightError(f"tensor {t.name!r} has a negative dimension in shape {t.shape}")
-            numel *= s
+        if any(s < 0 for s in t.shape):
+            raise WeightError(f"tensor {t.name!r} has a negative dimension in shape {t.shape}")
         itemsize = torch.empty((), dtype=_DTYPES[t.dtype]).element_size()
-        if t.nbytes != numel * itemsize or t.offset_bytes % ALIGN_BYTES or t.offset_bytes < 0 \
+        if t.nbytes != math.prod(t.shape) * itemsize or t.offset_bytes % ALIGN_BYTES or t.offset_bytes < 0 \
                 or t.offset_bytes + t.nbytes > man.total_bytes:
             raise WeightError(f"tensor {t.name!r}: offset {t.offset_bytes}, nbytes {t.nbytes}, shape {t.shape} "
                               f"do not fit a {man.total_bytes}-byte buffer aligned to {ALIGN_BYTES}")
@@ -147,14 +145,8 @@ def layout(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None = N
     return entries
 
 
-def total_bytes_of(entries: list[TensorEntry]) -> int:
-    return max((e.offset_bytes + e.nbytes for e in entries), default=0)
-
-
-def chunk_checksum(data: memoryview | bytes | torch.Tensor) -> str:
-    """blake3 hex digest of one chunk (a uint8 tensor, memoryview or bytes)."""
-    if isinstance(data, torch.Tensor):
-        data = memoryview(data.numpy())
+def chunk_checksum(data: memoryview | bytes) -> str:
+    """blake3 hex digest of one chunk."""
     return blake3.blake3(data).hexdigest()
 
 
@@ -168,7 +160,7 @@ def flatten_state_dict(state_dict: Mapping[str, torch.Tensor], *, version: int, 
     buffer (exactly ``total_bytes`` long, a view of ``out`` if given) and the manifest.
     """
     entries = layout(state_dict, dtype)
-    total = total_bytes_of(entries)
+    total = max((e.offset_bytes + e.nbytes for e in entries), default=0)
     if out is None or out.numel() < total:
         out = torch.empty(total, dtype=torch.uint8)
     buf = out[:total]
