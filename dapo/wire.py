@@ -126,13 +126,6 @@ class TrajectoryGroup:
         """Oldest policy version of any token in the group (versions only increase along a sample)."""
         return int(self.versions.min())
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes held by the arrays (for memory accounting)."""
-        return sum(int(getattr(self, k).nbytes) for k in (
-            "prompt_ids", "response_ids", "logprobs", "loss_mask", "response_lengths", "versions",
-            "version_changes", "rewards", "acc", "scores"))
-
     def response_slices(self) -> list[slice]:
         """Slice of each sample in the flat response arrays."""
         ends = np.cumsum(self.response_lengths, dtype=np.int64)
@@ -150,10 +143,9 @@ class TrajectoryGroup:
 
 
 def encode_group(group: TrajectoryGroup, auth_token: str) -> list[bytes]:
-    """Frames of ``group`` for ``send_multipart``. Raises WireError when ``group`` is invalid
-    (the same checks the receiver runs, so a bad group fails at the actor, with the reason)."""
+    """Frames of ``group`` for ``send_multipart``. Raises WireError when ``group`` is invalid: the
+    frames are decoded here with the receiver's checks, so a bad group fails at the actor, with the reason."""
     g = _normalised(group)
-    _check_group(g)
     header = {
         "schema": WIRE_SCHEMA_VERSION,
         "token": auth_token,
@@ -171,8 +163,10 @@ def encode_group(group: TrajectoryGroup, auth_token: str) -> list[bytes]:
         "response_lengths": g.response_lengths.tolist(),
         "finish_reasons": list(g.finish_reasons),
     }
-    return [msgpack.packb(header, use_bin_type=True), g.prompt_ids.tobytes(), g.response_ids.tobytes(),
-            g.logprobs.tobytes(), g.loss_mask.tobytes()]
+    frames = [msgpack.packb(header, use_bin_type=True), g.prompt_ids.tobytes(), g.response_ids.tobytes(),
+              g.logprobs.tobytes(), g.loss_mask.tobytes()]
+    decode_group(frames, auth_token=auth_token, max_message_bytes=sum(len(f) for f in frames))
+    return frames
 
 
 def decode_group(frames: Sequence[Any], *, auth_token: str, max_message_bytes: int) -> TrajectoryGroup:
@@ -301,35 +295,6 @@ def _normalised(g: TrajectoryGroup) -> TrajectoryGroup:
         response_lengths=arr(g.response_lengths, "<i4"), versions=arr(g.versions, "<i8"),
         version_changes=changes, rewards=arr(g.rewards, "<f4"), acc=arr(g.acc, "<f4"),
         scores=arr(g.scores, "<f4"), finish_reasons=tuple(g.finish_reasons))
-
-
-def _check_group(g: TrajectoryGroup) -> None:
-    """Encode-side checks of a canonical group (decode checks the same while parsing)."""
-    n = g.num_samples
-    if not 1 <= n <= MAX_SAMPLES_PER_GROUP:
-        raise WireError("inconsistent", f"G = {n}, expected 1..{MAX_SAMPLES_PER_GROUP}")
-    for name in ("versions", "rewards", "acc", "scores"):
-        if getattr(g, name).shape != (n,):
-            raise WireError("inconsistent", f"`{name}` has shape {getattr(g, name).shape}, expected ({n},)")
-    if len(g.finish_reasons) != n or any(f not in FINISH_REASONS for f in g.finish_reasons):
-        raise WireError("inconsistent", f"`finish_reasons` needs {n} entries from {FINISH_REASONS}")
-    total = int(g.response_lengths.sum())
-    if g.response_lengths.min() < 1:
-        raise WireError("field_type", "every response needs >= 1 token")
-    for name in ("response_ids", "logprobs", "loss_mask"):
-        if getattr(g, name).shape != (total,):
-            raise WireError("frame_size", f"`{name}` has shape {getattr(g, name).shape}, expected ({total},)")
-    if g.prompt_ids.ndim != 1 or g.prompt_ids.shape[0] < 1:
-        raise WireError("frame_size", "`prompt_ids` must be a non-empty 1-D array")
-    if (g.versions < 0).any() or (g.versions >= MAX_INT).any():
-        raise WireError("field_type", "`versions` must be >= 0")
-    if not (np.isfinite(g.acc).all() and (g.acc >= 0).all() and (g.acc <= 1).all()):
-        raise WireError("field_type", "`acc` entries must lie in [0, 1]")
-    for name in ("rewards", "scores"):
-        if not np.isfinite(getattr(g, name)).all():
-            raise WireError("field_type", f"`{name}` holds a non-finite value")
-    _check_frames(g)
-    _check_version_changes(g)
 
 
 def _check_frames(g: TrajectoryGroup) -> None:
