@@ -196,11 +196,6 @@ def _sft_step(model: Any, opt: Any, batch: tuple[Any, Any, Any]) -> float:
     return loss.item()
 
 
-def _init_seed(seed: int, attempt: int) -> int:
-    """Init seed of skill-phase attempt ``attempt`` (0 for the first: the run seed itself)."""
-    return seed if attempt == 0 else seed + 7919 * attempt
-
-
 def _lr_at(step: int, steps: int, lr: float) -> float:
     """Linear warm-up, then cosine decay to 0 at the end of the phase."""
     return lr * min(1.0, (step + 1) / RECIPE["sft_warmup_steps"]) * 0.5 * (1 + math.cos(math.pi * step / steps))
@@ -234,7 +229,7 @@ def warm_started_model(tokenizer: Any, seed: int, *, progress: bool = True) -> t
     with tqdm(desc="warming up the tiny model", unit="step", total=skill["steps"] + noise["steps"],
               disable=not progress, mininterval=1.0) as bar:
         for attempt in range(skill["max_attempts"]):
-            init_seed = _init_seed(seed, attempt)
+            init_seed = seed + 7919 * attempt  # the first attempt uses the run seed itself
             model = build_model(tokenizer, init_seed)
             model.train()
             problems = iter(task.sample_problems("train", (skill["steps"] + noise["steps"]) * RECIPE["sft_batch_size"],
