@@ -63,9 +63,8 @@ def child(args: argparse.Namespace) -> dict:
     n = args.tokens // args.seq_len
     g = torch.Generator().manual_seed(1)
     lens = torch.full((n,), args.seq_len)
-    prompt = torch.full((n,), args.prompt_len)
     mask = torch.cat([torch.zeros(args.prompt_len), torch.ones(args.seq_len - args.prompt_len)]).repeat(n)
-    batch = SampleBatch(torch.randint(0, cfg.vocab_size, (n * args.seq_len,), generator=g), lens, prompt,
+    batch = SampleBatch(torch.randint(0, cfg.vocab_size, (n * args.seq_len,), generator=g), lens,
                         torch.arange(n), -torch.rand(n * args.seq_len, generator=g) * 3 * mask, mask,
                         torch.randn(n, generator=g))
     with tempfile.TemporaryDirectory() as tmp:

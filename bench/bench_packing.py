@@ -42,7 +42,7 @@ def make_batch(num_seqs: int, min_len: int, max_len: int, vocab: int) -> SampleB
     toks = torch.randint(0, vocab, (int(lens.sum()),), generator=g)
     mask = torch.cat([torch.cat([torch.zeros(int(p)), torch.ones(int(n - p))]) for n, p in zip(lens, prompt)])
     logp = -torch.rand(int(lens.sum()), generator=g) * mask
-    return SampleBatch(toks, lens, prompt, torch.arange(num_seqs), logp, mask, torch.randn(num_seqs, generator=g))
+    return SampleBatch(toks, lens, torch.arange(num_seqs), logp, mask, torch.randn(num_seqs, generator=g))
 
 
 def packed_step(trainer: Trainer, batch: SampleBatch, budget: int) -> None:

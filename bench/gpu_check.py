@@ -199,7 +199,7 @@ def check_learner_step(device: torch.device, small: bool) -> dict:
     g = torch.Generator().manual_seed(0)
     mask = torch.cat([torch.zeros(prompt_len), torch.ones(seq_len - prompt_len)]).repeat(num_seqs)
     tokens = torch.randint(0, vocab, (num_seqs * seq_len,), generator=g)
-    batch = SampleBatch(tokens, torch.full((num_seqs,), seq_len), torch.full((num_seqs,), prompt_len),
+    batch = SampleBatch(tokens, torch.full((num_seqs,), seq_len),
                         torch.arange(num_seqs) // 4, -torch.rand(num_seqs * seq_len, generator=g) * 3 * mask, mask,
                         torch.randn(num_seqs, generator=g))
     out = {"check": "learner_step", "tokens": num_seqs * seq_len, "loss_tokens": int(mask.sum()), "ok": True}

@@ -32,7 +32,20 @@ from dapo.algorithm import group_advantages
 from dapo.config import AlgorithmConfig
 from dapo.wire import TrajectoryGroup
 
-_INT_COLS = 4  # per sequence: seq_len, prompt_len, minibatch, microbatch
+_INT_COLS = 3  # per sequence: seq_len, minibatch, microbatch
+
+
+def _offsets(seq_lens: torch.Tensor) -> torch.Tensor:
+    """int64 [S + 1]: start of each sequence in the concatenated tokens, then the total."""
+    return torch.cat([torch.zeros(1, dtype=torch.int64), seq_lens.cumsum(0)])
+
+
+def _token_index(seq_lens: torch.Tensor, seqs: list[int]) -> torch.Tensor:
+    """int64 positions, in the concatenated tokens, of the tokens of sequences ``seqs`` in that order."""
+    if not seqs:
+        return torch.zeros(0, dtype=torch.int64)
+    offsets = _offsets(seq_lens).tolist()
+    return torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in seqs])
 
 
 @dataclass
@@ -42,9 +55,7 @@ class SampleBatch:
     tokens: torch.Tensor
     """int64 [T_all]: prompt then response tokens of each sequence, back to back."""
     seq_lens: torch.Tensor
-    """int64 [S]: prompt + response length of each sequence, in tokens."""
-    prompt_lens: torch.Tensor
-    """int64 [S]: prompt length, in tokens (>= 1)."""
+    """int64 [S]: prompt + response length of each sequence, in tokens (the prompt has >= 1)."""
     group_index: torch.Tensor
     """int64 [S]: index of the sequence's group in the batch, 0..N-1 (decides the mini-batch)."""
     sampler_logp: torch.Tensor
@@ -60,7 +71,7 @@ class SampleBatch:
 
     def offsets(self) -> torch.Tensor:
         """int64 [S + 1]: start of each sequence in ``tokens``."""
-        return torch.cat([torch.zeros(1, dtype=torch.int64), self.seq_lens.cumsum(0)])
+        return _offsets(self.seq_lens)
 
 
 def from_groups(groups: list[TrajectoryGroup], algorithm: AlgorithmConfig) -> SampleBatch:
@@ -69,7 +80,7 @@ def from_groups(groups: list[TrajectoryGroup], algorithm: AlgorithmConfig) -> Sa
     Overlong filtering (``algorithm.overlong_filter``) zeroes the loss mask of truncated samples;
     they still count in their group's advantage statistics, as in the paper.
     """
-    toks, seq_lens, prompt_lens, gidx, logps, masks, rewards = [], [], [], [], [], [], []
+    toks, seq_lens, gidx, logps, masks, rewards = [], [], [], [], [], []
     for gi, grp in enumerate(groups):
         prompt = torch.from_numpy(grp.prompt_ids.astype(np.int64))
         p = int(prompt.numel())
@@ -82,14 +93,12 @@ def from_groups(groups: list[TrajectoryGroup], algorithm: AlgorithmConfig) -> Sa
             logps += [torch.zeros(p), torch.from_numpy(grp.logprobs[sl].astype(np.float32))]
             masks += [torch.zeros(p), mask]
             seq_lens.append(p + int(resp.numel()))
-            prompt_lens.append(p)
             gidx.append(gi)
         rewards.append(torch.from_numpy(grp.rewards.astype(np.float32)))
     group_index = torch.tensor(gidx, dtype=torch.int64)
     adv = group_advantages(torch.cat(rewards), group_index, eps=algorithm.adv_eps,
                            std_normalize=algorithm.std_normalize)
-    return SampleBatch(torch.cat(toks), torch.tensor(seq_lens, dtype=torch.int64),
-                       torch.tensor(prompt_lens, dtype=torch.int64), group_index, torch.cat(logps),
+    return SampleBatch(torch.cat(toks), torch.tensor(seq_lens, dtype=torch.int64), group_index, torch.cat(logps),
                        torch.cat(masks), adv.float())
 
 
@@ -115,7 +124,6 @@ class RankShard:
 
     tokens: torch.Tensor
     seq_lens: torch.Tensor
-    prompt_lens: torch.Tensor
     minibatch: torch.Tensor
     """int64 [S_r]: mini-batch index of each sequence."""
     microbatch: torch.Tensor
@@ -129,9 +137,7 @@ class RankShard:
 
     def micro(self, minibatch: int, microbatch: int) -> "PackedMicroBatch":
         sel = ((self.minibatch == minibatch) & (self.microbatch == microbatch)).nonzero().flatten()
-        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), self.seq_lens.cumsum(0)])
-        tok_idx = torch.cat([torch.arange(int(offsets[i]), int(offsets[i + 1])) for i in sel.tolist()]) \
-            if sel.numel() else torch.zeros(0, dtype=torch.int64)
+        tok_idx = _token_index(self.seq_lens, sel.tolist())
         return PackedMicroBatch.pack(self.tokens[tok_idx], self.seq_lens[sel], self.sampler_logp[tok_idx],
                                      self.loss_mask[tok_idx], self.advantages[sel])
 
@@ -172,9 +178,9 @@ class PackedMicroBatch:
             z = torch.zeros(0, dtype=torch.int64)
             return PackedMicroBatch(torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64),
                                     z, z, z, z, torch.zeros(0), torch.zeros(0), 0, 0)
-        starts = torch.cat([torch.zeros(1, dtype=torch.int64), seq_lens.cumsum(0)[:-1]])
+        bounds = _offsets(seq_lens)
         seq_id = torch.repeat_interleave(torch.arange(num_seqs), seq_lens)
-        position = torch.arange(tokens.numel()) - starts[seq_id]
+        position = torch.arange(tokens.numel()) - bounds[seq_id]
         # A sequence's first token has no prediction inside its own sequence.
         keep = (loss_mask > 0) & (position > 0)
         idx = keep.nonzero().flatten()
@@ -184,7 +190,7 @@ class PackedMicroBatch:
         slot = torch.arange(idx.numel()) - first[seq_of]
         return PackedMicroBatch(tokens.view(1, -1), position.view(1, -1), idx - 1, tokens[idx], seq_of, slot,
                                 sampler_logp[idx].float(), advantages.float(), num_seqs,
-                                int(counts.max()) if idx.numel() else 0, [0] + seq_lens.cumsum(0).tolist())
+                                int(counts.max()) if idx.numel() else 0, bounds.tolist())
 
     def to_rows(self, values: torch.Tensor) -> torch.Tensor:
         """[K] per-token values -> [S, L] rows (zeros where no loss token), for policy_loss."""
@@ -238,11 +244,9 @@ def plan(batch: SampleBatch, *, num_minibatches: int, world_size: int, max_token
 def _shard_tensors(batch: SampleBatch, sel: torch.Tensor, minibatch: torch.Tensor, micro: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     order = sel[torch.argsort(minibatch[sel] * (1 << 20) + micro[sel], stable=True)]
-    offsets = batch.offsets()
-    tok_idx = torch.cat([torch.arange(int(offsets[i]), int(offsets[i + 1])) for i in order.tolist()]) \
-        if order.numel() else torch.zeros(0, dtype=torch.int64)
-    ints = torch.cat([torch.stack([batch.seq_lens[order], batch.prompt_lens[order], minibatch[order],
-                                   micro[order]], 1).flatten(), batch.tokens[tok_idx]])
+    tok_idx = _token_index(batch.seq_lens, order.tolist())
+    ints = torch.cat([torch.stack([batch.seq_lens[order], minibatch[order], micro[order]], 1).flatten(),
+                      batch.tokens[tok_idx]])
     floats = torch.cat([batch.advantages[order].float(), batch.sampler_logp[tok_idx].float(),
                         batch.loss_mask[tok_idx].float()])
     return ints, floats
@@ -253,7 +257,7 @@ def _unpack(ints: torch.Tensor, floats: torch.Tensor, n_seq: int, num_minibatche
     n_tok = int(meta[:, 0].sum())
     tokens = ints[n_seq * _INT_COLS:n_seq * _INT_COLS + n_tok]
     adv = floats[:n_seq]
-    return RankShard(tokens.clone(), meta[:, 0].clone(), meta[:, 1].clone(), meta[:, 2].clone(), meta[:, 3].clone(),
+    return RankShard(tokens.clone(), meta[:, 0].clone(), meta[:, 1].clone(), meta[:, 2].clone(),
                      floats[n_seq:n_seq + n_tok].clone(), floats[n_seq + n_tok:n_seq + 2 * n_tok].clone(),
                      adv.clone(), num_minibatches, num_micro)
 
@@ -278,27 +282,21 @@ def scatter_batch(batch: SampleBatch | None, *, num_minibatches: int, max_tokens
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     header = torch.zeros(4, dtype=torch.int64, device=device)
+    headers = int_parts = float_parts = None  # what rank 0 scatters
     if rank == 0:
         assert batch is not None
         minibatch, ranks, micro, num_micro = plan(batch, num_minibatches=num_minibatches, world_size=world,
                                                   max_tokens_per_microbatch=max_tokens_per_microbatch)
-        parts = []
-        for r in range(world):
-            sel = (ranks == r).nonzero().flatten()
-            parts.append((int(sel.numel()), *_shard_tensors(batch, sel, minibatch, micro)))
-        max_i = max(p[1].numel() for p in parts)
-        max_f = max(p[2].numel() for p in parts)
-        headers = [torch.tensor([n, max_i, max_f, num_micro], dtype=torch.int64, device=device) for n, _, _ in parts]
-        dist.scatter(header, headers, src=0)
-        ints = torch.zeros(max_i, dtype=torch.int64, device=device)
-        floats = torch.zeros(max_f, dtype=torch.float32, device=device)
-        dist.scatter(ints, [torch.nn.functional.pad(p[1], (0, max_i - p[1].numel())).to(device) for p in parts], src=0)
-        dist.scatter(floats, [torch.nn.functional.pad(p[2], (0, max_f - p[2].numel())).to(device) for p in parts],
-                     src=0)
-    else:
-        dist.scatter(header, None, src=0)
-        ints = torch.zeros(int(header[1]), dtype=torch.int64, device=device)
-        floats = torch.zeros(int(header[2]), dtype=torch.float32, device=device)
-        dist.scatter(ints, None, src=0)
-        dist.scatter(floats, None, src=0)
+        sels = [(ranks == r).nonzero().flatten() for r in range(world)]
+        parts = [_shard_tensors(batch, sel, minibatch, micro) for sel in sels]
+        max_i, max_f = max(p[0].numel() for p in parts), max(p[1].numel() for p in parts)
+        headers = [torch.tensor([sel.numel(), max_i, max_f, num_micro], dtype=torch.int64, device=device)
+                   for sel in sels]
+        int_parts = [torch.nn.functional.pad(i, (0, max_i - i.numel())).to(device) for i, _ in parts]
+        float_parts = [torch.nn.functional.pad(f, (0, max_f - f.numel())).to(device) for _, f in parts]
+    dist.scatter(header, headers, src=0)
+    ints = torch.zeros(int(header[1]), dtype=torch.int64, device=device)
+    floats = torch.zeros(int(header[2]), dtype=torch.float32, device=device)
+    dist.scatter(ints, int_parts, src=0)
+    dist.scatter(floats, float_parts, src=0)
     return _unpack(ints.cpu(), floats.cpu(), int(header[0]), num_minibatches, int(header[3]))

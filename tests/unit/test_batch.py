@@ -63,7 +63,6 @@ def test_advantages_are_normalised_within_each_prompt_group():
 def test_sequences_are_prompt_then_response_with_the_log_prob_of_each_token_beside_it():
     batch = from_groups(three_groups(), alg())
     assert batch.seq_lens.tolist() == [5, 3, 4, 5, 7, 4, 2, 3]
-    assert batch.prompt_lens.tolist() == [2, 2, 2, 3, 3, 3, 1, 1]
     assert batch.tokens.tolist() == [1, 2, 11, 12, 13, 1, 2, 14, 1, 2, 15, 16, 3, 4, 5, 21, 22, 3, 4, 5, 23, 24,
                                      25, 26, 3, 4, 5, 27, 6, 31, 6, 32, 33]
     prompt = set(range(1, 7))

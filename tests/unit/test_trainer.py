@@ -32,17 +32,16 @@ def tiny_model(seed: int = 0) -> torch.nn.Module:
 
 def random_batch(seed: int = 1, num_groups: int = 4, group_size: int = 3) -> SampleBatch:
     g = torch.Generator().manual_seed(seed)
-    seq_lens, prompt_lens, toks, logps, masks = [], [], [], [], []
+    seq_lens, toks, logps, masks = [], [], [], []
     for _ in range(num_groups * group_size):
         p = int(torch.randint(2, 9, (1,), generator=g))
         r = int(torch.randint(1, 14, (1,), generator=g))
         seq_lens.append(p + r)
-        prompt_lens.append(p)
         toks.append(torch.randint(0, VOCAB, (p + r,), generator=g))
         logps.append(torch.cat([torch.zeros(p), -torch.rand(r, generator=g) * 3]))
         mask = torch.cat([torch.zeros(p), (torch.rand(r, generator=g) > 0.15).float()])
         masks.append(mask)
-    return SampleBatch(torch.cat(toks), torch.tensor(seq_lens), torch.tensor(prompt_lens),
+    return SampleBatch(torch.cat(toks), torch.tensor(seq_lens),
                        torch.arange(num_groups).repeat_interleave(group_size), torch.cat(logps), torch.cat(masks),
                        torch.randn(num_groups * group_size, generator=g))
 
