@@ -27,11 +27,12 @@ import os
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dapo.data import Prompt, PromptDataset, rows_for
+from dapo import rewards
+from dapo.data import TEMPLATES, Prompt, PromptDataset, rows_for
 from dapo.runtime import apply_service_env
 
 if TYPE_CHECKING:  # the engine module imports torch, which must wait for apply_service_env()
@@ -157,7 +158,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-response-tokens", type=int, default=None,
                         help="generation limit per sample, in tokens (default: the config's "
                              "actor.max_response_tokens, the training limit)")
-    parser.add_argument("--prompt-template", choices=("auto", "chat", "dapo", "raw"), default="auto",
+    parser.add_argument("--prompt-template", choices=TEMPLATES, default="auto",
                         help="how rows become prompts, as in training: chat (tokenizer chat template), dapo "
                              "(the DAPO math instruction around the problem, then chat), raw (message text as is), "
                              "auto (chat, as training's default). Default auto; see dapo/data.py")
@@ -196,31 +197,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 # -- inputs ------------------------------------------------------------------------------------
-def load_prompts(data: str, cfg: Any, tokenizer: Any, template: str) -> list[Prompt]:
-    """The dataset's rows rendered into prompt ids exactly as training renders them
-    (``dapo.data.PromptDataset``; ``builtin`` is the built-in task's held-out split)."""
-    # max_prompt_tokens=None: eval never drops a prompt silently; ``fit_prompts`` decides.
-    dataset = PromptDataset(rows_for(data, "eval", cfg), tokenizer, template=template,
-                            dedup=cfg.data.dedup_by_prompt, max_prompt_tokens=None)
-    if dataset.duplicates_dropped:
-        log.info("%s: %d duplicate prompts dropped (data.dedup_by_prompt=true)", data, dataset.duplicates_dropped)
-    return [dataset[i] for i in range(len(dataset))]
-
-
-def check_data_path(data: str) -> None:
-    """Fail fast (before any model loads) on a DATA argument that cannot be read."""
-    path = Path(data)
-    if data != "builtin" and (not path.is_file() or path.suffix not in (".parquet", ".jsonl")):
-        seen = "is not a .parquet or .jsonl file" if path.exists() else "does not exist"
-        raise ValueError(f"DATA {data!r} {seen}: pass a verl-format .parquet or .jsonl file, or `builtin` "
-                         "for the built-in task's held-out split.")
-
-
 def check_data_sources(prompts: list[Prompt], data: str, template: str) -> None:
     """Fail before any generation when a row's data_source has no verifier; warn when the
     prompt asks for an answer format its verifier does not read."""
-    from dapo import rewards
-
     counts = Counter(p.data_source for p in prompts)
     rewards.check_data_sources(counts, data)
     for source in sorted(counts):
@@ -287,26 +266,28 @@ class EvalInputs:
 
 
 def prepare(args: argparse.Namespace) -> EvalInputs:
-    """Resolve the model, render the prompts, check verifiers and lengths."""
+    """Read the rows, resolve the model, render the prompts as training does, check verifiers
+    and lengths."""
     t_start = time.perf_counter()
-    check_data_path(args.data)  # before the slow imports
-    from dataclasses import replace
-
-    from transformers import AutoTokenizer
-
-    from actors.verifier import DEFAULT_SCORE_FN
     from dapo.config import load_config
-    from dapo.tiny import resolve_model_path
 
     cfg = load_config(args.overrides)
     cfg.model = replace(cfg.model, path=args.model)  # re-validates the model group
+    rows = rows_for(args.data, "eval", cfg)  # before the slow imports and the model
+    from transformers import AutoTokenizer
+
+    from dapo.tiny import resolve_model_path
+
     model_path = resolve_model_path(cfg)
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     max_response_tokens = args.max_response_tokens or cfg.actor.max_response_tokens
-    prompts = load_prompts(args.data, cfg, tokenizer, args.prompt_template)
-    if args.limit is not None:
-        prompts = prompts[:args.limit]
-    if cfg.actor.reward_fn == DEFAULT_SCORE_FN:  # a custom reward_fn may know other sources
+    # max_prompt_tokens=None: eval never drops a prompt silently; ``fit_prompts`` decides.
+    dataset = PromptDataset(rows, tokenizer, template=args.prompt_template, dedup=cfg.data.dedup_by_prompt,
+                            max_prompt_tokens=None)
+    if dataset.duplicates_dropped:
+        log.info("%s: %d duplicate prompts dropped (data.dedup_by_prompt=true)", args.data, dataset.duplicates_dropped)
+    prompts = [dataset[i] for i in range(len(dataset))][:args.limit]
+    if cfg.actor.reward_fn == rewards.SCORE_FN:  # a custom reward_fn may know other sources
         check_data_sources(prompts, args.data, args.prompt_template)
     dtype, limit_tokens = model_settings(model_path, args.dtype)
     prompts, skipped = fit_prompts(prompts, limit_tokens, max_response_tokens, args.skip_long_prompts)
@@ -381,14 +362,6 @@ def build_report(args: argparse.Namespace, inputs: EvalInputs, results: list[Pro
     skipped prompts, verifier counts, timings and one ``per_prompt`` entry per prompt."""
     sources = sorted({r.data_source for r in results})
     total_tokens = sum(n for r in results for n in r.length_tokens)
-    per_prompt = []
-    for r in results:
-        entry = {"prompt_id": r.prompt_id, "data_source": r.data_source, "ground_truth": r.ground_truth,
-                 "num_correct": sum(r.acc), "acc": r.acc, "preds": r.preds, "length_tokens": r.length_tokens,
-                 "truncated": r.truncated}
-        if r.responses is not None:
-            entry["responses"] = r.responses
-        per_prompt.append(entry)
     return {
         "model": args.model, "model_path": str(inputs.model_path.resolve()), "data": args.data,
         "k": args.k, "temperature": args.temperature, "top_p": args.top_p,
@@ -400,7 +373,9 @@ def build_report(args: argparse.Namespace, inputs: EvalInputs, results: list[Pro
         "verifier": verifier_counts,
         "time_s": {key: round(value, 3) for key, value in time_s.items()},
         "throughput_tokens_per_s": total_tokens / max(time_s["generate"], 1e-9),
-        "per_prompt": per_prompt,
+        # responses is None unless --save-responses
+        "per_prompt": [{**{k: v for k, v in asdict(r).items() if v is not None}, "num_correct": sum(r.acc)}
+                       for r in results],
     }
 
 
