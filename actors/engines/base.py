@@ -18,7 +18,6 @@ context is re-encoded with the weights that sample the next token.
 from __future__ import annotations
 
 import abc
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -66,8 +65,6 @@ class Engine(abc.ABC):
     def __init__(self, version: int = 0) -> None:
         self.version = version
         """Policy version of the loaded weights."""
-        self.last_load_s = 0.0
-        """Seconds the last ``load_weights`` took (for metrics)."""
 
     # -- backend hooks -----------------------------------------------------------------------
     @abc.abstractmethod
@@ -85,10 +82,8 @@ class Engine(abc.ABC):
     # -- public interface --------------------------------------------------------------------
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Load ``state_dict`` (HF names, full tensors) as policy ``version``."""
-        start = time.perf_counter()
         self._load(state_dict)
         self.version = version
-        self.last_load_s = time.perf_counter() - start
 
     def generate(self, prompt_ids: list[list[int]], n: int, max_tokens: int, temperature: float,
                  top_p: float, seed: int, *, chunk_tokens: int | None = None,

@@ -42,7 +42,6 @@ class TorchEngine(Engine):
         self._max_len = max_model_len_tokens
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
         self.model.eval()
-        self._pad_id = int(self._stop_ids[0])
 
     @torch.inference_mode()
     def _sample(self, sequences: list[list[int]], n: int, max_tokens: int, temperature: float,
@@ -54,7 +53,7 @@ class TorchEngine(Engine):
         if longest + max_tokens > self._max_len:
             raise ValueError(f"prompt of {longest} tokens + {max_tokens} new tokens exceeds "
                              f"model.max_model_len_tokens={self._max_len}; shorten the prompt or raise it")
-        ids = torch.full((len(rows), longest), self._pad_id, dtype=torch.long)
+        ids = torch.full((len(rows), longest), int(self._stop_ids[0]), dtype=torch.long)  # pad: masked out
         mask = torch.zeros((len(rows), longest), dtype=torch.long)
         for i, s in enumerate(rows):
             ids[i, longest - len(s):] = torch.tensor(s)
@@ -63,7 +62,6 @@ class TorchEngine(Engine):
         cache = DynamicCache()
         out_ids = torch.empty((len(rows), 0), dtype=torch.long)
         out_lps = torch.empty((len(rows), 0), dtype=torch.float32)
-        done = torch.zeros(len(rows), dtype=torch.bool)
         stopped = torch.zeros(len(rows), dtype=torch.bool)
         step_ids, positions = ids, (mask.cumsum(-1) - 1).clamp(min=0)
         for _ in range(max_tokens):
@@ -74,10 +72,8 @@ class TorchEngine(Engine):
             token_lp = logp.gather(1, token[:, None]).squeeze(1)
             out_ids = torch.cat([out_ids, token[:, None]], dim=1)
             out_lps = torch.cat([out_lps, token_lp[:, None]], dim=1)
-            hit = torch.isin(token, self._stop_ids) & ~done
-            stopped |= hit
-            done |= hit
-            if bool(done.all()):
+            stopped |= torch.isin(token, self._stop_ids)
+            if bool(stopped.all()):
                 break
             step_ids = token[:, None]
             positions = positions[:, -1:] + 1

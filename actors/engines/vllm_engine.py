@@ -10,25 +10,21 @@ from __future__ import annotations
 
 import gc
 import logging
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
 from actors.engines.base import Engine, RawSample, stop_token_ids
 
 
-class _DropRecord(logging.Filter):
-    def __init__(self, prefix: str) -> None:
-        super().__init__()
-        self.prefix = prefix
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.prefix)
+def _drop_records(prefix: str) -> Callable[[logging.LogRecord], bool]:
+    """A logging filter that drops the records whose message starts with ``prefix``."""
+    return lambda record: not record.getMessage().startswith(prefix)
 
 
 # skip_tokenizer_init: at the first generate vLLM warns that it does not know the EOS id. The
 # engine passes the stop ids with every request (stop_token_ids), so nothing is wrong.
-logging.getLogger("vllm.renderers.base").addFilter(_DropRecord("Using None for EOS token id"))
+logging.getLogger("vllm.renderers.base").addFilter(_drop_records("Using None for EOS token id"))
 
 
 def _skip_computed_buffers_on_reload(model: torch.nn.Module) -> None:
@@ -63,7 +59,7 @@ class VllmEngine(Engine):
         # vLLM warms up a chat template at start-up even without a tokenizer and logs the
         # resulting ValueError with a traceback; nothing is wrong, so drop that one record.
         noise = logging.getLogger("vllm.renderers.base")
-        drop = _DropRecord("Chat template warmup failed")
+        drop = _drop_records("Chat template warmup failed")
         noise.addFilter(drop)
         # vLLM runs gc.collect() five times while it builds the engine; each one walks every object
         # that importing torch, transformers and vLLM created (millions): ~1.6 s of the ~3 s of CPU
