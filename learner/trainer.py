@@ -21,6 +21,7 @@ computed at once (tests/unit/test_trainer.py checks ≤ 1e-5).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
@@ -74,9 +75,6 @@ class TrainerSettings:
                                cpu_offload=learner.cpu_offload)
 
 
-PACKED_ATTENTION = "dapo_packed"
-
-
 def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      is_causal: bool | None = None, dapo_seq_bounds: list[int] | None = None, **kwargs: object
@@ -95,13 +93,6 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, scale=scaling, enable_gqa=gqa)
         for s, e in zip(dapo_seq_bounds[:-1], dapo_seq_bounds[1:])]
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
-
-
-def _register_packed_attention(model: torch.nn.Module) -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(PACKED_ATTENTION, packed_attention)
-    model.set_attn_implementation(PACKED_ATTENTION)
 
 
 def shard_model(model: torch.nn.Module, device: torch.device, param_dtype: torch.dtype, *,
@@ -165,7 +156,10 @@ class Trainer:
         self.settings = settings
         self.device = device
         self.world_size = dist.get_world_size()
-        _register_packed_attention(model)
+        from transformers import AttentionInterface
+
+        AttentionInterface.register("dapo_packed", packed_attention)
+        model.set_attn_implementation("dapo_packed")
         self.head: LogprobHead | None = install_logprob_head(model) if settings.logprob_chunk_tokens > 0 else None
         self.model = shard_model(model.to(device), device, settings.param_dtype,
                                  activation_checkpointing=settings.activation_checkpointing,
@@ -186,21 +180,17 @@ class Trainer:
         """Log-probs [K] of the loss tokens under the current weights (and their entropies); through the
         chunked LM head (learner/logprobs.py) unless ``logprob_chunk_tokens`` is 0."""
         dev = self.device
+        rows = dict(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev), use_cache=False)
         if mb.is_empty:
-            out = self.model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev),
-                             use_cache=False, logits_to_keep=1)
-            return out.logits.sum() * 0.0, None  # keeps the graph (and FSDP's backward) alive
+            return self.model(**rows, logits_to_keep=1).logits.sum() * 0.0, None  # keeps FSDP's backward alive
+        head = contextlib.nullcontext() if self.head is None else self.head.targets(
+            mb.target_ids.to(dev)[None], temperature=self.settings.temperature,
+            chunk_tokens=self.settings.logprob_chunk_tokens, with_entropy=with_entropy)
+        with head:  # the head runs inside the root module's forward, where FSDP2 has gathered its weight
+            out = self.model(**rows, logits_to_keep=mb.logit_index.to(dev), dapo_seq_bounds=mb.seq_bounds)
         if self.head is not None:
-            # The head runs inside the root module's forward, where FSDP2 has gathered its weight.
-            with self.head.targets(mb.target_ids.to(dev)[None], temperature=self.settings.temperature,
-                                   chunk_tokens=self.settings.logprob_chunk_tokens, with_entropy=with_entropy):
-                out = self.model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev),
-                                 use_cache=False, logits_to_keep=mb.logit_index.to(dev),
-                                 dapo_seq_bounds=mb.seq_bounds)
             res = out.logits[0]  # [K, 2]: log-prob, entropy
             return res[:, 0], (res[:, 1].detach() if with_entropy else None)
-        out = self.model(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev), use_cache=False,
-                         logits_to_keep=mb.logit_index.to(dev), dapo_seq_bounds=mb.seq_bounds)
         logits = out.logits[0].float() / self.settings.temperature  # [K, V]
         logp_all = torch.log_softmax(logits, dim=-1)
         logp = logp_all.gather(-1, mb.target_ids.to(dev).unsqueeze(-1)).squeeze(-1)
@@ -233,27 +223,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ update
 
-    def global_counts(self, shard: RankShard, minibatch: int) -> tuple[float, float]:
-        """(loss tokens, sequences with loss tokens) of a mini-batch over all ranks: one all-reduce."""
-        sel = shard.minibatch == minibatch
-        offsets = torch.cat([torch.zeros(1, dtype=torch.int64), shard.seq_lens.cumsum(0)])
-        tokens = seqs = 0.0
-        for i in sel.nonzero().flatten().tolist():
-            mask = shard.loss_mask[int(offsets[i]) + 1:int(offsets[i + 1])]  # first token: no prediction
-            n = float((mask > 0).sum())
-            tokens += n
-            seqs += float(n > 0)
-        counts = torch.tensor([tokens, seqs], dtype=torch.float64, device=self.device)
-        dist.all_reduce(counts)
-        return float(counts[0]), float(counts[1])
-
     def forward_backward(self, shard: RankShard, minibatch: int, prox: dict[tuple[int, int], torch.Tensor],
                          sums: dict[str, float]) -> float:
         """Accumulate the gradients of one mini-batch; returns this rank's share of its loss."""
-        num_tokens, num_seqs = self.global_counts(shard, minibatch)
+        mbs = [shard.micro(minibatch, u) for u in range(shard.num_microbatches)]
+        # (loss tokens, sequences with loss tokens) of the whole mini-batch on all ranks: one all-reduce.
+        tokens, seqs = sum(mb.target_ids.numel() for mb in mbs), sum(mb.seq_of_token.unique().numel() for mb in mbs)
+        counts = torch.tensor([tokens, seqs], dtype=torch.float64, device=self.device)
+        dist.all_reduce(counts)
+        num_tokens, num_seqs = counts.tolist()
         rank_loss = 0.0
-        for u in range(shard.num_microbatches):
-            mb = shard.micro(minibatch, u)
+        for u, mb in enumerate(mbs):
             logp, entropy = self.logprobs(mb, with_entropy=True)
             if mb.is_empty:
                 logp.backward()
@@ -268,7 +248,6 @@ class Trainer:
                 num_tokens=num_tokens, num_seqs=num_seqs, token_sum_norm=self.settings.token_sum_norm,
                 **self.loss_kwargs)
             (loss * self.world_size).backward()
-            loss = loss.detach()
             rank_loss += float(loss)
             n = float(metrics["num_tokens"])
             sums["loss"] += float(loss)
