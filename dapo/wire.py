@@ -143,9 +143,12 @@ class TrajectoryGroup:
 
 
 def encode_group(group: TrajectoryGroup, auth_token: str) -> list[bytes]:
-    """Frames of ``group`` for ``send_multipart``. Raises WireError when ``group`` is invalid: the
-    frames are decoded here with the receiver's checks, so a bad group fails at the actor, with the reason."""
-    g = _normalised(group)
+    """Frames of ``group`` for ``send_multipart``; its fields may be lists (they are cast to the wire
+    dtypes here). Raises WireError when ``group`` is invalid: the frames are decoded here with the
+    receiver's checks, so a bad group fails at the actor, with the reason."""
+    g = group
+    lengths = np.asarray(g.response_lengths, dtype="<i4")
+    changes = np.asarray(g.version_changes, dtype="<i8").reshape(-1, 3)
     header = {
         "schema": WIRE_SCHEMA_VERSION,
         "token": auth_token,
@@ -153,18 +156,18 @@ def encode_group(group: TrajectoryGroup, auth_token: str) -> list[bytes]:
         "actor_id": int(g.actor_id),
         "lease_id": int(g.lease_id),
         "prompt_id": int(g.prompt_id),
-        "num_samples": g.num_samples,
-        "prompt_len": int(g.prompt_ids.shape[0]),
-        "versions": g.versions.tolist(),
-        "version_changes": g.version_changes.tolist(),
-        "rewards": g.rewards.tolist(),
-        "acc": g.acc.tolist(),
-        "scores": g.scores.tolist(),
-        "response_lengths": g.response_lengths.tolist(),
+        "num_samples": len(lengths),
+        "prompt_len": len(g.prompt_ids),
+        "versions": np.asarray(g.versions, dtype="<i8").tolist(),
+        "version_changes": changes[np.lexsort((changes[:, 1], changes[:, 0]))].tolist(),
+        "rewards": np.asarray(g.rewards, dtype="<f4").tolist(),
+        "acc": np.asarray(g.acc, dtype="<f4").tolist(),
+        "scores": np.asarray(g.scores, dtype="<f4").tolist(),
+        "response_lengths": lengths.tolist(),
         "finish_reasons": list(g.finish_reasons),
     }
-    frames = [msgpack.packb(header, use_bin_type=True), g.prompt_ids.tobytes(), g.response_ids.tobytes(),
-              g.logprobs.tobytes(), g.loss_mask.tobytes()]
+    arrays = ((g.prompt_ids, "<i4"), (g.response_ids, "<i4"), (g.logprobs, "<f4"), (g.loss_mask, "u1"))
+    frames = [msgpack.packb(header, use_bin_type=True)] + [np.asarray(x, dtype=d).tobytes() for x, d in arrays]
     decode_group(frames, auth_token=auth_token, max_message_bytes=sum(len(f) for f in frames))
     return frames
 
@@ -278,23 +281,6 @@ def _group_from_header(h: dict, views: list[memoryview]) -> TrajectoryGroup:
         scores=_floats(h["scores"], "scores", num_samples),
         finish_reasons=tuple(finish),
     )
-
-
-def _normalised(g: TrajectoryGroup) -> TrajectoryGroup:
-    """A copy with canonical dtypes (the actor may build the group from lists)."""
-    def arr(x: Any, dtype: str) -> np.ndarray:
-        return np.ascontiguousarray(np.asarray(x, dtype=dtype))
-
-    changes = arr(g.version_changes, "<i8").reshape(-1, 3)
-    if changes.shape[0]:
-        changes = changes[np.lexsort((changes[:, 1], changes[:, 0]))]
-    return TrajectoryGroup(
-        run_id=g.run_id, actor_id=g.actor_id, lease_id=g.lease_id, prompt_id=g.prompt_id,
-        prompt_ids=arr(g.prompt_ids, "<i4"), response_ids=arr(g.response_ids, "<i4"),
-        logprobs=arr(g.logprobs, "<f4"), loss_mask=arr(g.loss_mask, "u1"),
-        response_lengths=arr(g.response_lengths, "<i4"), versions=arr(g.versions, "<i8"),
-        version_changes=changes, rewards=arr(g.rewards, "<f4"), acc=arr(g.acc, "<f4"),
-        scores=arr(g.scores, "<f4"), finish_reasons=tuple(g.finish_reasons))
 
 
 def _check_frames(g: TrajectoryGroup) -> None:
