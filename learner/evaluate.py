@@ -48,16 +48,11 @@ class Evaluator:
         self._results: dict[int, dict[str, float]] = {}
         self._error: BaseException | None = None
 
-    def evaluate(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, float]:
-        """Evaluate now, in this thread."""
-        self.wait()
-        self._load(state_dict)
-        return self._sample()
-
     def submit(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Evaluate ``state_dict`` as ``version`` in the background; ``result(version)`` has it."""
         self.wait()
-        self._load(state_dict)
+        # strict=False: the published dict omits the tied lm_head copy (it is the embedding).
+        self.model.load_state_dict(dict(state_dict), strict=False)
         self._thread = threading.Thread(target=self._run, args=(version,), name="eval", daemon=True)
         self._thread.start()
 
@@ -74,10 +69,6 @@ class Evaluator:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-
-    def _load(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        # strict=False: the published dict omits the tied lm_head copy (it is the embedding).
-        self.model.load_state_dict(dict(state_dict), strict=False)
 
     def _run(self, version: int) -> None:
         try:

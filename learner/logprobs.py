@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -101,14 +101,6 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
                                 bool(with_entropy))
 
 
-@dataclass
-class _Request:
-    targets: torch.Tensor
-    temperature: float
-    chunk_tokens: int
-    with_entropy: bool
-
-
 class LogprobHead(torch.nn.Linear):
     """The model's LM head (the same weight parameter). A plain linear layer, except inside
     ``with head.targets(...)``: then its output [B, K, 2] holds (log-prob, entropy or 0) of the target
@@ -120,25 +112,24 @@ class LogprobHead(torch.nn.Linear):
                              "set learner.logprob_chunk_tokens=0 for this model")
         super().__init__(head.in_features, head.out_features, bias=False, device="meta")
         self.weight = head.weight  # the same Parameter: stays tied to the embeddings if it was
-        self._request: _Request | None = None
+        self._request: tuple[torch.Tensor, dict[str, Any]] | None = None  # targets, chunked_logprobs kwargs
 
     @contextmanager
     def targets(self, targets: torch.Tensor, *, temperature: float, chunk_tokens: int,
                 with_entropy: bool) -> Iterator[None]:
-        self._request = _Request(targets, temperature, chunk_tokens, with_entropy)
+        self._request = targets, dict(temperature=temperature, chunk_tokens=chunk_tokens, with_entropy=with_entropy)
         try:
             yield
         finally:
             self._request = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        req = self._request
-        if req is None:
+        if self._request is None:
             return super().forward(hidden)
+        targets, kwargs = self._request
         lead = hidden.shape[:-1]
-        logp, entropy = chunked_logprobs(hidden.reshape(-1, hidden.shape[-1]), self.weight,
-                                         req.targets.reshape(-1), temperature=req.temperature,
-                                         chunk_tokens=req.chunk_tokens, with_entropy=req.with_entropy)
+        logp, entropy = chunked_logprobs(hidden.reshape(-1, hidden.shape[-1]), self.weight, targets.reshape(-1),
+                                         **kwargs)
         second = entropy if entropy is not None else torch.zeros_like(logp)
         # stack last: FSDP2 hooks the root's outputs for its pre-backward, which a view would defeat
         return torch.stack([logp.view(lead), second.view(lead)], dim=-1)

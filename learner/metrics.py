@@ -18,18 +18,15 @@ log = logging.getLogger(__name__)
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, wandb: bool = False,
-                 prometheus_port: int = 0, prometheus_host: str = "127.0.0.1", config: Mapping | None = None,
-                 start_time: float | None = None) -> None:
+    def __init__(self, run_dir: str | Path, *, wandb: bool = False, prometheus_port: int = 0,
+                 prometheus_host: str = "127.0.0.1", config: Mapping | None = None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._t0 = time.monotonic() if start_time is None else start_time
+        self._t0 = time.monotonic()
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)  # line-buffered: tails see whole lines
-        self._tb = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
         self._wandb = None
         if wandb:
             try:
@@ -56,9 +53,8 @@ class MetricsLogger:
         record.update({k: float(v) for k, v in values.items()})
         self._jsonl.write(json.dumps(record) + "\n")
         finite = {k: v for k, v in record.items() if k != "step" and math.isfinite(v)}
-        if self._tb is not None:
-            for k, v in finite.items():
-                self._tb.add_scalar(k, v, step)
+        for k, v in finite.items():
+            self._tb.add_scalar(k, v, step)
         if self._wandb is not None:
             self._wandb.log(finite, step=step)
         if self._prom is not None:
@@ -77,7 +73,6 @@ class MetricsLogger:
 
     def close(self) -> None:
         self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
+        self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
