@@ -38,18 +38,17 @@ from learner.registry import ActorInfo, ActorRegistry, UnknownActor
 class Coordinator:
     def __init__(self, source: PromptSource, *, num_prompts_per_step: int, max_staleness_steps: int,
                  queue_max_groups: int, heartbeat_timeout_s: float, lease_timeout_s: float,
-                 lease_retry_after_s: float = 0.25, seed: int = 0, shuffle: bool = True,
-                 max_epochs: int = 0, run_id: str | None = None,
+                 lease_retry_after_s: float = 0.25, seed: int = 0, max_epochs: int = 0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if queue_max_groups < 1:
             raise ValueError(f"Coordinator: need queue_max_groups >= 1, got {queue_max_groups}")
         self.admission = Admission(num_prompts_per_step, max_staleness_steps)
-        self.ledger = PromptLedger(source, seed=seed, shuffle=shuffle, max_epochs=max_epochs)
+        self.ledger = PromptLedger(source, seed=seed, max_epochs=max_epochs)
         self.registry = ActorRegistry(heartbeat_timeout_s, clock)
         self.queue_max_groups = queue_max_groups
         self.lease_timeout_s = lease_timeout_s
         self.lease_retry_after_s = lease_retry_after_s
-        self.run_id = run_id or secrets.token_hex(8)
+        self.run_id = secrets.token_hex(8)
         self._clock = clock
         self._lock = threading.RLock()
         self._actors_changed = threading.Condition(self._lock)

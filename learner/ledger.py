@@ -52,9 +52,9 @@ class RowCount:
 
 
 class PromptCursor:
-    def __init__(self, num_rows: int, *, seed: int, shuffle: bool, max_epochs: int) -> None:
+    def __init__(self, num_rows: int, *, seed: int, max_epochs: int) -> None:
         """``max_epochs``: 0 = never exhausted."""
-        self.num_rows, self.seed, self.shuffle, self.max_epochs = num_rows, seed, shuffle, max_epochs
+        self.num_rows, self.seed, self.max_epochs = num_rows, seed, max_epochs
         self.epoch, self.position = 0, 0
         self._perm_epoch, self._perm = -1, np.zeros(0, np.int64)
 
@@ -79,8 +79,7 @@ class PromptCursor:
     def _permutation(self) -> np.ndarray:
         """Row order of the current epoch (a seeded permutation, cached)."""
         if self._perm_epoch != self.epoch:
-            rng = np.random.default_rng([self.seed, self.epoch])
-            self._perm = rng.permutation(self.num_rows) if self.shuffle else np.arange(self.num_rows)
+            self._perm = np.random.default_rng([self.seed, self.epoch]).permutation(self.num_rows)
             self._perm_epoch = self.epoch
         return self._perm
 
@@ -89,11 +88,11 @@ class PromptLedger:
     """Every issued prompt in exactly one state: active (leased), pending (re-issue first),
     queued (its group accepted), trained or filtered (done)."""
 
-    def __init__(self, source: PromptSource, *, seed: int, shuffle: bool, max_epochs: int = 0) -> None:
+    def __init__(self, source: PromptSource, *, seed: int, max_epochs: int = 0) -> None:
         if len(source) < 1:
             raise ValueError("Coordinator: the prompt source is empty; check data.train_path")
-        self.source, self.num_rows, self.seed, self.shuffle = source, len(source), seed, shuffle
-        self.cursor = PromptCursor(self.num_rows, seed=seed, shuffle=shuffle, max_epochs=max_epochs)
+        self.source, self.num_rows, self.seed = source, len(source), seed
+        self.cursor = PromptCursor(self.num_rows, seed=seed, max_epochs=max_epochs)
         self.next_lease_id = 1
         self.active: dict[int, Lease] = {}  # in issue order, so timed-out leases are a prefix
         self.active_prompts: set[int] = set()
@@ -183,19 +182,18 @@ class PromptLedger:
         """Plain ints and lists. Active leases and queued (not yet trained) groups are saved as
         pending prompts: after a restart they are re-issued, so nothing is lost."""
         active = sorted(lease.prompt_id for lease in self.active.values())
-        return {"format": STATE_FORMAT, "num_rows": self.num_rows, "seed": self.seed, "shuffle": self.shuffle,
-                "epoch": self.cursor.epoch, "position": self.cursor.position, "next_lease_id": self.next_lease_id,
+        return {"format": STATE_FORMAT, "num_rows": self.num_rows, "seed": self.seed, "epoch": self.cursor.epoch,
+                "position": self.cursor.position, "next_lease_id": self.next_lease_id,
                 "pending": sorted(self.queued) + active + list(self.pending),
                 "trained": sorted(self.trained), "filtered": sorted(self.filtered)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["format"] != STATE_FORMAT:
             raise ValueError(f"coordinator state format {state['format']}, expected {STATE_FORMAT}")
-        if state["num_rows"] != self.num_rows or state["seed"] != self.seed or state["shuffle"] != self.shuffle:
+        if state["num_rows"] != self.num_rows or state["seed"] != self.seed:
             raise ValueError(
-                f"coordinator checkpoint was written for {state['num_rows']} prompts (seed {state['seed']}, "
-                f"shuffle {state['shuffle']}), this run has {self.num_rows} (seed {self.seed}, shuffle "
-                f"{self.shuffle}); resume with the same data.train_path and run.seed")
+                f"coordinator checkpoint was written for {state['num_rows']} prompts (seed {state['seed']}), this "
+                f"run has {self.num_rows} (seed {self.seed}); resume with the same data.train_path and run.seed")
         if self.active or self.queued or self.trained:
             raise RuntimeError("load_state_dict: call before any lease is issued")
         self.cursor.epoch, self.cursor.position = state["epoch"], state["position"]
@@ -208,6 +206,6 @@ class PromptLedger:
     def audit_state(cls, state: dict[str, Any]) -> dict[str, int]:
         """``audit()`` of a saved ``state_dict()`` (e.g. a checkpoint's run_state.json), no data needed.
         Its active leases and queued groups were saved as pending."""
-        ledger = cls(RowCount(int(state["num_rows"])), seed=state["seed"], shuffle=state["shuffle"])
+        ledger = cls(RowCount(int(state["num_rows"])), seed=state["seed"])
         ledger.load_state_dict(state)
         return ledger.audit()

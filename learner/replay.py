@@ -78,10 +78,6 @@ class GroupLimits:
         if min(self.vocab_size, self.num_samples_per_prompt, self.max_response_tokens) < 1:
             raise ValueError(f"GroupLimits: every limit must be >= 1, got {self}")
 
-    @classmethod
-    def from_config(cls, cfg: DapoConfig, vocab_size: int) -> "GroupLimits":
-        return cls(vocab_size, cfg.algorithm.num_samples_per_prompt, cfg.actor.max_response_tokens)
-
     def violation(self, g: TrajectoryGroup) -> tuple[str, str]:
         """('', '') when ``g`` fits, else (reason from GROUP_REJECTIONS, what was seen)."""
         longest = int(g.response_lengths.max())
@@ -250,13 +246,12 @@ class ReplayBuffer:
 class ReplayQueue:
     """The replay queue service: a bound PULL socket, a receiver thread and a ReplayBuffer."""
 
-    def __init__(self, cfg: DapoConfig, coordinator: Coordinator, *, vocab_size: int,
-                 dynamic_filter: DynamicSamplingFilter | None = None) -> None:
+    def __init__(self, cfg: DapoConfig, coordinator: Coordinator, *, vocab_size: int) -> None:
         """``vocab_size``: the model's vocabulary size (its embedding rows), for GroupLimits."""
         self.transport = t = cfg.transport
-        self.buffer = ReplayBuffer(
-            coordinator, max_groups=t.queue_max_groups, limits=GroupLimits.from_config(cfg, vocab_size),
-            dynamic_filter=dynamic_filter or DynamicSamplingFilter.from_config(cfg.algorithm))
+        limits = GroupLimits(vocab_size, cfg.algorithm.num_samples_per_prompt, cfg.actor.max_response_tokens)
+        self.buffer = ReplayBuffer(coordinator, max_groups=t.queue_max_groups, limits=limits,
+                                   dynamic_filter=DynamicSamplingFilter.from_config(cfg.algorithm))
         self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
