@@ -60,10 +60,8 @@ def normalize_final_answer(final_answer: str) -> str:
 def extract_dapo_answer(text: str) -> str:
     """The raw text after the last ``Answer:`` (case-insensitive) up to the end of its line, or
     ``[INVALID]``."""
-    last = None
-    for last in DAPO_ANSWER_PATTERN.finditer(text):
-        pass
-    return last.group(1) if last is not None else INVALID
+    answers = DAPO_ANSWER_PATTERN.findall(text)
+    return answers[-1] if answers else INVALID
 
 
 def last_boxed(text: str) -> str | None:

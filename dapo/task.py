@@ -76,10 +76,6 @@ def sample_problems(split: str, n: int, seed: int) -> list[tuple[int, int]]:
     return out
 
 
-def _digits_low_first(x: int) -> list[int]:
-    return [int(c) for c in reversed(str(x))]
-
-
 def worked_solution(a: int, b: int, *, rng: random.Random | None = None,
                     step_error_prob: float = 0.0, verbose: bool = False) -> str:
     """The response text (without the end-of-turn token) for a + b.
@@ -88,9 +84,8 @@ def worked_solution(a: int, b: int, *, rng: random.Random | None = None,
     probability; carries and the answer then follow the written (wrong) sums, so the text stays
     self-consistent and only the arithmetic is wrong. ``verbose`` works the columns twice.
     """
-    da, db = _digits_low_first(a), _digits_low_first(b)
     steps, answer_digits, carry = [], [], 0
-    for x, y in zip(da, db):
+    for x, y in zip(map(int, reversed(str(a))), map(int, reversed(str(b)))):  # digits, lowest first
         total = x + y + carry
         if rng is not None and step_error_prob > 0 and rng.random() < step_error_prob:
             total = rng.choice([t for t in range(0, 20) if t != total])
@@ -132,13 +127,10 @@ def verify(response: str, ground_truth: str) -> tuple[bool, str]:
 def make_builtin_rows(split: str, n: int, seed: int) -> list[dict[str, Any]]:
     """``n`` rows of the built-in task in the verl schema (``data_source``, ``prompt``,
     ``ability``, ``reward_model``, ``extra_info``), train and eval splits disjoint."""
-    rows = []
-    for index, (a, b) in enumerate(sample_problems(split, n, seed)):
-        rows.append({
-            "data_source": DATA_SOURCE,
-            "prompt": [{"role": "user", "content": problem_text(a, b)}],
-            "ability": "arithmetic",
-            "reward_model": {"ground_truth": str(a + b), "style": "rule"},
-            "extra_info": {"index": index, "split": split, "a": a, "b": b},
-        })
-    return rows
+    return [{
+        "data_source": DATA_SOURCE,
+        "prompt": [{"role": "user", "content": problem_text(a, b)}],
+        "ability": "arithmetic",
+        "reward_model": {"ground_truth": str(a + b), "style": "rule"},
+        "extra_info": {"index": index, "split": split, "a": a, "b": b},
+    } for index, (a, b) in enumerate(sample_problems(split, n, seed))]
