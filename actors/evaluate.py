@@ -119,8 +119,7 @@ def format_table(report: dict[str, Any]) -> str:
                      f"{m['pass@k']:>8.4f} {m['pass@1']:>8.4f} {m['mean_response_length_tokens']:>8.1f} "
                      f"{m['truncation_rate']:>6.3f}")
     errors = report["verifier"]
-    lines.append(f"verifier errors: {errors['errors']} ({errors['timeouts']} timeouts) of {errors['calls']} "
-                 "calls; "
+    lines.append(f"verifier errors: {errors['errors']} ({errors['timeouts']} timeouts) of {errors['calls']} calls; "
                  f"generation {report['time_s']['generate']:.1f}s, "
                  f"{report['throughput_tokens_per_s']:.0f} response tokens/s")
     return "\n".join(lines)
