@@ -258,8 +258,8 @@ def _group_from_header(h: dict, views: list[memoryview]) -> TrajectoryGroup:
     lengths = _ints(h["response_lengths"], "response_lengths", num_samples, lo=1)
     total_tokens = sum(h["response_lengths"])
     changes = h["version_changes"]
-    if type(changes) is not list or not all(type(c) is list and len(c) == 3 and all(type(x) is int and 0 <= x < MAX_INT for x in c)
-               for c in changes):
+    if type(changes) is not list or not all(
+            type(c) is list and len(c) == 3 and all(type(x) is int and 0 <= x < MAX_INT for x in c) for c in changes):
         raise WireError("field_type", "`version_changes` must be [sample, token_pos, version] int triples")
     finish = _list(h["finish_reasons"], "finish_reasons", num_samples)
     if not all(type(f) is str and f in FINISH_REASONS for f in finish):
