@@ -15,16 +15,12 @@ from learner.leases import LeaseReply
 log = logging.getLogger(__name__)
 
 
-class UnknownActor(KeyError):
+class UnknownActor(LookupError):
     """The actor id is not registered (never was, declared dead, or from a previous learner run)."""
 
     def __init__(self, actor_id: int) -> None:
-        super().__init__(actor_id)
-        self.actor_id = actor_id
-
-    def __str__(self) -> str:
-        return (f"actor {self.actor_id} is not registered with this coordinator (it missed heartbeats, "
-                f"left, or registered with a previous learner run): call Register again")
+        super().__init__(f"actor {actor_id} is not registered with this coordinator (it missed heartbeats, left, "
+                         f"or registered with a previous learner run): call Register again")
 
 
 @dataclass

@@ -302,8 +302,6 @@ class ReplayQueue:
                 raise RuntimeError(f"replay receiver thread did not stop within {timeout_s} s")
         self._thread = None
 
-    # ------------------------------------------------------------------ receiver thread
-
     def _receive_loop(self) -> None:
         sock = self._sock
         assert sock is not None

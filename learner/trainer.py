@@ -173,8 +173,6 @@ class Trainer:
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
         self.loss_kwargs = loss_kwargs(settings.algorithm)
 
-    # ------------------------------------------------------------------ forward
-
     def logprobs(self, mb: PackedMicroBatch, *, with_entropy: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs [K] of the loss tokens under the current weights (and their entropies); through the
@@ -220,8 +218,6 @@ class Trainer:
                 logp = self.logprobs(mb)[0].detach()  # an empty micro-batch still runs FSDP's collectives
                 prox[(m, u)] = mb.sampler_logp.to(self.device) if mb.is_empty else logp
         return prox
-
-    # ------------------------------------------------------------------ update
 
     def forward_backward(self, shard: RankShard, minibatch: int, prox: dict[tuple[int, int], torch.Tensor],
                          sums: dict[str, float]) -> float:
@@ -294,8 +290,6 @@ class Trainer:
                     "train/grad_norm": sum(grad_norms) / len(grad_norms), "train/grad_norm_max": max(grad_norms),
                     "train/lr": lr, "train/num_updates": float(shard.num_minibatches), "time/prox_logp_s": prox_s})
         return out
-
-    # ------------------------------------------------------------------ weights
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective (call on every rank): full CPU state dict on rank 0, {} elsewhere; without
