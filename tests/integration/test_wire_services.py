@@ -1,10 +1,12 @@
-"""Coordinator (gRPC) + replay queue (ZMQ) on loopback, driven by simulated actor processes."""
+"""Coordinator (gRPC) + replay queue (ZMQ) on loopback, driven by actor processes (the production
+loop with a fake engine, tests/fake_actor.py) and, where a test needs a misbehaving peer, raw calls."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -18,7 +20,7 @@ from protos import AUTH_METADATA_KEY
 from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc
 from actors.client import CoordinatorClient, CoordinatorError
-from tests.integration.wire_harness import TOKEN, Learner, kill_all, make_cfg, read_line, spawn_sim
+from tests.integration.wire_harness import TOKEN, Learner, kill_all, make_cfg, spawn_actors
 
 pytestmark = pytest.mark.slow
 
@@ -36,44 +38,51 @@ def train_until(learner: Learner, num_groups: int, timeout_s: float) -> list[int
     return trained
 
 
+def leases_held(learner: Learner, proc: subprocess.Popen) -> int:
+    """The leases the coordinator holds for the actor process ``proc`` (actor names end in ``:pid``)."""
+    return sum(a["active_leases"] for a in learner.coordinator.status()["actors"] if a["name"].endswith(f":{proc.pid}"))
+
+
 @pytest.mark.timeout(120)
-def test_exactly_once_when_actors_are_killed_or_frozen() -> None:
+def test_exactly_once_when_actors_are_killed_or_frozen(tmp_path) -> None:
     """kill -9 one actor mid-lease and freeze (SIGSTOP) another past its heartbeat timeout: their
     prompts are re-leased; every prompt is trained exactly once or filtered; none is lost; the
-    frozen actor's late groups are dropped."""
-    num_prompts, filter_mod = 48, 6  # 8 prompts all-correct -> filtered; 40 trained = 10 steps of 4
+    frozen actor, woken, finds itself declared dead and registers again (a group it pushes before
+    it notices is dropped: its lease was re-issued)."""
+    num_prompts, easy_every = 48, 6  # 8 prompts all right -> filtered; 40 trained = 10 steps of 4
     cfg = make_cfg(transport=dict(heartbeat_timeout_s=1.0), max_staleness_steps=1)
     learner = Learner(cfg, num_prompts, max_epochs=1)
+    gate = tmp_path / "frozen-may-generate"
     procs = []
     try:
-        killed = spawn_sim(learner.target, "killed", "--gen-delay-s", "60", capture=True)
-        # Both victims "generate" for 60 s: they cannot push before the signal, however late it comes.
-        # The frozen one pushes its (late) groups when the shutdown heartbeat ends its wait.
-        frozen = spawn_sim(learner.target, "frozen", "--gen-delay-s", "60", "--filter-mod", str(filter_mod), capture=True)
+        # The victims' generation waits for a file: they cannot push before the signal, however late it comes.
+        killed = spawn_actors(learner.target, "--hold-file", str(tmp_path / "never"))
+        frozen = spawn_actors(learner.target, "--hold-file", str(gate), "--easy-every", str(easy_every))
         procs += [killed, frozen]
-        killed_ids = read_line(killed, "LEASED").split()[1].split(",")
-        frozen_ids = read_line(frozen, "LEASED").split()[1].split(",")
+        deadline = time.monotonic() + 60
+        while not all(held := [leases_held(learner, p) for p in (killed, frozen)]):
+            assert time.monotonic() < deadline and killed.poll() is None and frozen.poll() is None, held
+            time.sleep(0.05)
         os.kill(killed.pid, signal.SIGKILL)
         os.kill(frozen.pid, signal.SIGSTOP)
-        procs += [spawn_sim(learner.target, f"worker{i}", "--filter-mod", str(filter_mod), "--seed", str(i))
-                  for i in range(2)]
+        procs.append(spawn_actors(learner.target, "--threads", "2", "--easy-every", str(easy_every)))
         # The workers' lease calls run the coordinator's expiry once the victims are silent > 1 s.
         deadline = time.monotonic() + 30
-        while learner.coordinator.counters().get("leases_expired_heartbeat", 0) < len(killed_ids) + len(frozen_ids):
+        while learner.coordinator.counters().get("leases_expired_heartbeat", 0) < sum(held):
             assert time.monotonic() < deadline, learner.coordinator.counters()
             time.sleep(0.05)
-        os.kill(frozen.pid, signal.SIGCONT)  # it wakes up and pushes groups for re-issued leases
+        os.kill(frozen.pid, signal.SIGCONT)
+        gate.touch()  # it finishes generating for leases that were re-issued
         trained = train_until(learner, 40, timeout_s=60)
         learner.coordinator.request_shutdown()
         for proc in procs[1:]:
             assert proc.wait(timeout=30) == 0, proc.stderr.read()
-        assert learner.queue.buffer.wait_until(lambda c: c.get("dropped/lease_not_active", 0) >= 1, timeout_s=10)
+        assert "registering again" in frozen.stderr.read()
         assert len(trained) == len(set(trained)), "a prompt was trained twice"
-        expected = {p for p in range(num_prompts) if p % filter_mod != 0}
+        expected = {p for p in range(num_prompts) if p % easy_every != 0}
         assert set(trained) == expected
-        assert {int(p) for p in killed_ids + frozen_ids} <= expected | set(range(0, num_prompts, filter_mod))
         counters = learner.queue.counters()
-        assert counters["filtered"] == num_prompts // filter_mod
+        assert counters["filtered"] == num_prompts // easy_every
         status = CoordinatorClient(learner.target, TOKEN, timeout_s=5).status()
         assert status.version == 10 and status.active_leases == 0 and status.pending_reissue == 0
     finally:
@@ -88,7 +97,7 @@ def test_stalled_consumer_keeps_queue_bounded_then_drains() -> None:
     learner = Learner(cfg, 1000)
     procs = []
     try:
-        procs = [spawn_sim(learner.target, f"w{i}", "--seed", str(i)) for i in range(2)]
+        procs = [spawn_actors(learner.target, "--threads", "2")]
         coord = learner.coordinator
         deadline = time.monotonic() + 30
         while coord.counters().get("lease_denied/queue_full", 0) < 20:

@@ -1,5 +1,5 @@
 """Learner side of the wire integration tests: coordinator + replay queue + gRPC server on
-loopback (ephemeral ports), and simulated actor processes cleaned up by PID."""
+loopback (ephemeral ports), and actor processes (production loop, fake engine) cleaned up by PID."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from learner.grpc_server import CoordinatorServer
 ROOT = Path(__file__).resolve().parents[2]
 TOKEN = "test-token"
 VOCAB_SIZE = 128
-"""The queue's vocabulary: TinySource prompts and the simulated actors' tokens lie below 100."""
+"""The queue's vocabulary: TinySource prompts and the fake engine's tokens lie below 100."""
 
 
 class TinySource:
@@ -61,20 +61,11 @@ class Learner:
         self.queue.close()
 
 
-def spawn_sim(target: str, name: str, *args: str, token: str = TOKEN, capture: bool = False) -> subprocess.Popen:
-    """Start a simulated actor; ``capture`` pipes its stdout (then read it, or the pipe fills)."""
-    cmd = [sys.executable, "-m", "tests.integration.wire_sim_actor", "--target", target, "--token", token, "--name", name, *args]
-    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE if capture else subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True,
+def spawn_actors(target: str, *args: str, token: str = TOKEN) -> subprocess.Popen:
+    """Start production actors with the fake engine (tests/fake_actor.py; ``args``: its options)."""
+    cmd = [sys.executable, "-m", "tests.fake_actor", "--learner", target, "--token", token, *args]
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
-
-
-def read_line(proc: subprocess.Popen, prefix: str) -> str:
-    """Next stdout line starting with ``prefix`` (pytest-timeout bounds the wait)."""
-    for line in proc.stdout:
-        if line.startswith(prefix):
-            return line.strip()
-    raise AssertionError(f"sim actor exited (rc {proc.wait()}) before printing {prefix!r}: {proc.stderr.read()[-2000:]}")
 
 
 def kill_all(procs: list[subprocess.Popen]) -> None:

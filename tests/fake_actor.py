@@ -1,0 +1,145 @@
+"""Production actors without a model: ``actors.loop.Actor`` with the real CoordinatorClient,
+GroupPusher, heartbeats, leases and weight paths, driven by tests/fake_engine.py; ``--threads``
+of them in one process.
+
+    python -m tests.fake_actor --learner HOST:PORT --token T [--threads N] [--easy-every K]
+        [--hold-file PATH] [--fetch-weights [--corrupt-first-fetch] [--report FILE]]
+
+Weights: by default a fetch returns the version the coordinator announced, with no tensors (the
+wire tests run no weight publisher); ``--fetch-weights`` fetches them over the network path
+(``NetworkWeightClient``; ``--corrupt-first-fetch`` flips a byte of the first transfer, which the
+client must repair) and ``--report`` writes, at exit, per actor: every fetch (version, chunks
+refetched), every version loaded and the loop's counters (e.g. ``weight_loads_collective``), and
+saves each fetched version as ``<report>.v<N>.safetensors``. ``--hold-file``: generation waits
+until that file exists. SIGTERM, or the learner's shutdown, stops every actor; exit 0 when every
+actor's loop returned, 1 when one raised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import sys
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from dapo.runtime import apply_service_env
+
+if TYPE_CHECKING:
+    from actors.loop import Actor
+    from tests.fake_engine import FakeEngine
+
+NO_RUN_DIR = "/nonexistent/fake-actor-run"
+"""The actors' run folder: generation records are written only where it exists."""
+
+
+def build_actor(learner: str, token: str, engine: FakeEngine, stop: threading.Event, *,
+                fetch: Callable[[int], tuple[int, dict]] | None = None) -> Actor:
+    """An Actor as ``actors/main.py`` builds it, with the fake engine and verifier. ``fetch``:
+    the weight fetch (default: the announced version, no tensors)."""
+    from actors.client import CoordinatorClient
+    from actors.loop import Actor
+    from actors.metrics import ActorMetrics
+    from dapo.config import DapoConfig
+    from tests.fake_engine import FakeVerifier, decode
+
+    cfg = DapoConfig()
+    cfg.transport = dataclasses.replace(cfg.transport, auth_token=token)
+    cfg.run = dataclasses.replace(cfg.run, run_dir=NO_RUN_DIR)
+    client = CoordinatorClient(learner, token, cfg.transport.rpc_timeout_s,
+                               reconnect_backoff_max_s=cfg.actor.connect_retry_max_s)
+    actor = Actor(cfg, client, engine, FakeVerifier(), decode,
+                  fetch or (lambda _actor_id: (actor.latest_version, {})), ActorMetrics(), stop)
+    return actor
+
+
+def recording_fetcher(learner: str, token: str, save_prefix: str, corrupt_first: bool):
+    """(fetch, records): the network path's fetch as ``actors.client.network_fetcher`` does it,
+    recording each fetch and saving its tensors."""
+    from safetensors.torch import save_file
+
+    from actors.client import LearnerUnavailable
+    from actors.transports.base import WeightFetchError
+    from actors.transports.network import NetworkWeightClient
+
+    records: list[dict] = []
+    corrupt = [corrupt_first]
+
+    def flip(buf) -> None:
+        if corrupt[0]:
+            buf[buf.numel() // 2] ^= 0x40
+            corrupt[0] = False
+
+    weights = NetworkWeightClient(learner, token, timeout_s=10.0, after_receive=flip)
+
+    def fetch(actor_id: int):
+        try:
+            version, state, stats = weights.receive(actor_id)
+        except WeightFetchError as exc:
+            raise LearnerUnavailable(f"weight fetch from {learner}: {exc}") from None
+        records.append({"version": version, "refetched": stats.refetched_chunks})
+        if save_prefix:
+            save_file({k: v.clone() for k, v in state.items()}, f"{save_prefix}.v{version}.safetensors")
+        return version, state
+
+    return fetch, records
+
+
+def main() -> int:
+    apply_service_env()
+    p = argparse.ArgumentParser()
+    p.add_argument("--learner", required=True)
+    p.add_argument("--token", required=True)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--easy-every", type=int, default=0, help="prompts whose first token is a multiple are all right")
+    p.add_argument("--hold-file", default="")
+    p.add_argument("--fetch-weights", action="store_true")
+    p.add_argument("--corrupt-first-fetch", action="store_true")
+    p.add_argument("--report", default="")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s fake-actor %(threadName)s %(levelname)s "
+                                                      "%(name)s: %(message)s")
+    from actors.main import stop_on_signals
+    from tests.fake_engine import FakeEngine
+
+    stop = threading.Event()
+    stop_on_signals(stop)
+
+    def hold() -> None:
+        while args.hold_file and not Path(args.hold_file).exists() and not stop.wait(0.05):
+            pass
+
+    actors, records, failures = [], [], []
+    for _ in range(args.threads):
+        fetch, fetched = (recording_fetcher(args.learner, args.token, args.report, args.corrupt_first_fetch)
+                          if args.fetch_weights else (None, []))
+        actors.append(build_actor(args.learner, args.token, FakeEngine(easy_every=args.easy_every, hold=hold),
+                                  stop, fetch=fetch))
+        records.append(fetched)
+
+    def serve(actor: Actor) -> None:
+        try:
+            actor.run()
+        except BaseException as exc:  # noqa: BLE001 - reported by the exit code
+            failures.append(exc)
+            logging.exception("actor loop failed")
+        finally:
+            actor.client.close()
+
+    threads = [threading.Thread(target=serve, args=(a,), name=f"actor{i}") for i, a in enumerate(actors)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if args.report:
+        Path(args.report).write_text(json.dumps([
+            {"fetches": fetched, "loaded": a.engine.loaded, "counters": a.metrics.counters}
+            for a, fetched in zip(actors, records)]))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
