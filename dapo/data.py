@@ -240,16 +240,12 @@ def inspect_main(file: str, rows: int, overrides: list[str]) -> None:
     """``dapo data inspect FILE``: print how the first ``rows`` rows render, and a summary."""
     from transformers import AutoTokenizer
 
-    from dapo.config import ConfigError, load_config
+    from dapo.config import load_config
     from dapo.tiny import resolve_model_path
 
-    try:
+    try:  # a bad override, model path or file (ConfigError is a ValueError): the message says what to fix
         cfg = load_config(overrides)
-    except ConfigError as exc:
-        print(f"dapo: {exc}", file=sys.stderr)
-        raise SystemExit(2)
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(cfg)))
-    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_path(cfg)))
         ds = PromptDataset(rows_for(file, "train", cfg), tokenizer, template=cfg.data.prompt_template,
                            dedup=cfg.data.dedup_by_prompt, max_prompt_tokens=cfg.data.max_prompt_tokens)
     except (OSError, ValueError) as exc:
