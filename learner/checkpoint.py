@@ -66,9 +66,7 @@ def save(run_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torc
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     (tmp / f"rng_rank{rank}.json").write_text(json.dumps({"torch": torch.get_rng_state().numpy().tobytes().hex()}))
     if rank == 0:
-        state = dict(run_state or {})
-        state["scheduler"] = scheduler.state_dict()
-        (tmp / "run_state.json").write_text(json.dumps(state))
+        (tmp / "run_state.json").write_text(json.dumps({**(run_state or {}), "scheduler": scheduler.state_dict()}))
         if model_path is not None:
             (tmp / "hf").mkdir()
             for name in HF_META_FILES:

@@ -65,8 +65,6 @@ class Coordinator:
                    lease_timeout_s=t.lease_timeout_s, lease_retry_after_s=t.lease_retry_after_s,
                    seed=cfg.run.seed, **kwargs)
 
-    # ------------------------------------------------------------------ version, shutdown
-
     @property
     def version(self) -> int:
         return self._version
@@ -113,8 +111,6 @@ class Coordinator:
                 self._actors_changed.wait(min(remaining, 0.5))
             return len(actors)
 
-    # ------------------------------------------------------------------ actors
-
     def register(self, name: str, capabilities: dict[str, Any] | None = None) -> int:
         with self._lock:
             self._expire_locked()
@@ -144,8 +140,6 @@ class Coordinator:
             n = self._drop_actor_locked(actor, "leases_returned_on_leave")
             self._count("actors_left")
             return n
-
-    # ------------------------------------------------------------------ leases
 
     def lease(self, actor_id: int, num_prompts: int, weight_version: int) -> LeaseResult:
         if num_prompts < 1:
@@ -255,8 +249,6 @@ class Coordinator:
             name = {"filtered": "groups_filtered", "stale": "groups_requeued_stale", "trained": "groups_trained"}
             self._count(name[outcome], len(prompt_ids))
 
-    # ------------------------------------------------------------------ introspection
-
     def counters(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counters)
@@ -272,16 +264,10 @@ class Coordinator:
                 "shutdown": self._shutdown, "actors": self.registry.status(), "counters": dict(self._counters),
             }
 
-    def trained_prompt_ids(self) -> set[int]:
-        with self._lock:
-            return set(self.ledger.trained)
-
     def audit(self) -> dict[str, int]:
         """``PromptLedger.audit``: every issued prompt in exactly one state."""
         with self._lock:
             return self.ledger.audit()
-
-    # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> dict[str, Any]:
         """The ledger's state (active leases and queued groups saved as pending), the version
@@ -294,8 +280,6 @@ class Coordinator:
             self.ledger.load_state_dict(state)
             self._version = self._publishing = state["version"]
             self._counters = dict(state["counters"])
-
-    # ------------------------------------------------------------------ internals
 
     def _count(self, name: str, n: int = 1) -> None:
         self._counters[name] = self._counters.get(name, 0) + n

@@ -16,7 +16,9 @@ recording them. Not thread-safe: the coordinator's lock guards it.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
 import numpy as np
@@ -38,11 +40,11 @@ class PromptSource(Protocol):
         ...
 
 
+@dataclass
 class RowCount:
     """A PromptSource with rows but no content (auditing a saved state needs only the count)."""
 
-    def __init__(self, num_rows: int) -> None:
-        self.num_rows = num_rows
+    num_rows: int
 
     def __len__(self) -> int:
         return self.num_rows
@@ -70,11 +72,8 @@ class PromptCursor:
 
     def issued(self) -> set[int]:
         """Every prompt id handed out so far: whole past epochs, then this epoch's prefix."""
-        issued = set(range(self.epoch * self.num_rows))
-        if self.position:
-            base = self.epoch * self.num_rows
-            issued.update(base + int(row) for row in self._permutation()[:self.position])
-        return issued
+        base = self.epoch * self.num_rows
+        return set(range(base)) | {base + int(row) for row in self._permutation()[:self.position]}
 
     def _permutation(self) -> np.ndarray:
         """Row order of the current epoch (a seeded permutation, cached)."""
@@ -142,12 +141,8 @@ class PromptLedger:
 
     def timed_out(self, now_s: float, lease_timeout_s: float) -> list[Lease]:
         """Active leases older than ``lease_timeout_s``: a prefix of the issue order, so O(expired)."""
-        expired = []
-        for lease in self.active.values():
-            if now_s - lease.issued_at_s <= lease_timeout_s:
-                break
-            expired.append(lease)
-        return expired
+        return list(itertools.takewhile(lambda lease: now_s - lease.issued_at_s > lease_timeout_s,
+                                        self.active.values()))
 
     def settle(self, prompt_ids: Sequence[int], outcome: str) -> None:
         """Queued groups leave the queue: ``outcome`` is one of SETTLED (stale: re-issued first)."""

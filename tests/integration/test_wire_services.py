@@ -422,7 +422,7 @@ def test_an_out_of_vocabulary_token_is_rejected_before_the_learner_and_the_actor
         assert [lease.prompt_id for lease in again] == [leases[0].prompt_id]
         trained = push_and_train(learner, actor, again)
         assert sorted(trained) == sorted(lease.prompt_id for lease in leases)
-        assert learner.coordinator.trained_prompt_ids() == set(trained)
+        assert learner.coordinator.state_dict()["trained"] == sorted(trained)
     finally:
         client.close()
         learner.close()

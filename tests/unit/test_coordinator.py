@@ -269,7 +269,7 @@ def test_state_dict_turns_active_and_queued_into_pending() -> None:
     state = coord.state_dict()
     fresh = make(n_rows=20, N=2, k=1)
     fresh.load_state_dict(state)
-    assert fresh.version == 1 and fresh.trained_prompt_ids() == trained
+    assert fresh.version == 1 and set(fresh.state_dict()["trained"]) == trained
     assert fresh.run_id != coord.run_id
     actor2 = fresh.register("b")
     leased = [g.prompt_id for g in fresh.lease(actor2, 100, 1).leases]
@@ -404,7 +404,7 @@ def test_staleness_bound_and_exactly_once_over_random_interleavings(k: int, ops)
             alive = {a["actor_id"] for a in coord.status()["actors"]}
             actors = {a if a in alive else coord.register("back"): v for a, v in actors.items()}
     assert len(trained) == len(set(trained)), "a prompt was trained twice"
-    assert set(trained) == coord.trained_prompt_ids()
+    assert sorted(trained) == coord.state_dict()["trained"]
     owned = set(coord.state_dict()["pending"])
     assert leased <= set(trained) | filtered | owned, "a leased prompt was lost"
     assert not (set(trained) & owned) and not (filtered & owned)
