@@ -22,9 +22,11 @@ def _drop_records(prefix: str) -> Callable[[logging.LogRecord], bool]:
     return lambda record: not record.getMessage().startswith(prefix)
 
 
-# skip_tokenizer_init: at the first generate vLLM warns that it does not know the EOS id. The
-# engine passes the stop ids with every request (stop_token_ids), so nothing is wrong.
-logging.getLogger("vllm.renderers.base").addFilter(_drop_records("Using None for EOS token id"))
+# skip_tokenizer_init: at the first generate vLLM warns that it does not know the EOS id (the engine
+# passes stop_token_ids with every request), and at start-up it warms up a chat template anyway and
+# logs the resulting ValueError with a traceback. Nothing is wrong in either case: drop those records.
+for _noise in ("Using None for EOS token id", "Chat template warmup failed"):
+    logging.getLogger("vllm.renderers.base").addFilter(_drop_records(_noise))
 
 
 def _skip_computed_buffers_on_reload(model: torch.nn.Module) -> None:
@@ -56,22 +58,14 @@ class VllmEngine(Engine):
         # only mode known to work here). On GPU, False trades start-up for faster decoding.
         # skip_tokenizer_init: the engine sees ids only; the actor loop owns the tokenizer.
         # processed_logprobs: log-probs after temperature / top-p, i.e. of what was sampled.
-        # vLLM warms up a chat template at start-up even without a tokenizer and logs the
-        # resulting ValueError with a traceback; nothing is wrong, so drop that one record.
-        noise = logging.getLogger("vllm.renderers.base")
-        drop = _drop_records("Chat template warmup failed")
-        noise.addFilter(drop)
         # vLLM runs gc.collect() five times while it builds the engine; each one walks every object
         # that importing torch, transformers and vLLM created (millions): ~1.6 s of the ~3 s of CPU
         # the construction takes on the tiny model. Those objects live as long as the process, so
         # move them out of the collector's reach first (CPython's gc.freeze, made for start-up).
         gc.freeze()
-        try:
-            self._llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len_tokens,
-                            enforce_eager=enforce_eager, seed=seed, skip_tokenizer_init=True,
-                            logprobs_mode="processed_logprobs", enable_prefix_caching=True)
-        finally:
-            noise.removeFilter(drop)
+        self._llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len_tokens,
+                        enforce_eager=enforce_eager, seed=seed, skip_tokenizer_init=True,
+                        logprobs_mode="processed_logprobs", enable_prefix_caching=True)
         self._llm.apply_model(_skip_computed_buffers_on_reload)  # once: the skip list is process-wide
 
     def _sample(self, sequences: list[list[int]], n: int, max_tokens: int, temperature: float,
