@@ -1,24 +1,17 @@
 """Verifiers: ``score(data_source, response, ground_truth) -> (reward, acc, pred)``.
 
-The verifier is chosen by the row's ``data_source``:
+The verifier is chosen by the row's ``data_source`` (``verifier_for``; names in the constants below):
 
-==========================================  ==================================================
-data_source                                  verifier
-==========================================  ==================================================
-``math_dapo``, ``math``,                     DAPO math (``math_dapo``): the last ``Answer:`` in
-``math_dapo_reasoning``, ``math_dapo*``      the last 300 characters, the DAPO normalisation
-(e.g. ``math_dapo_cispo_cold_start_model``,  (``dapo.math_normalize``) of prediction and ground
-the DAPO-Math sample), ``debug/dapo_math``   truth, string equality. Reproduces the paper's
-(the toy jsonl)                              verifier exactly.
-``aime*`` (``aime24``, ``aime25``, ...),     ``\\boxed{}``: the last ``\\boxed{..}`` in the last
-``lighteval/MATH``, ``HuggingFaceH4/         1000 characters (else the DAPO ``Answer:`` line:
-MATH-500``, ``DigitalLearningGmbH/           AIME prompted with the DAPO template), the same
-MATH-lighteval``                             normalisation, then equal as numbers when both are
-                                             plain decimals ("042" == "42" == "42.0"), else as
-                                             strings.
-``dapo_builtin``                             the built-in task (``dapo.task.verify``): the integer
-                                             on the last ``Answer:`` line equals the sum.
-==========================================  ==================================================
+- DAPO math, ``verify_dapo_math`` (``DAPO_SOURCES``, ``math_dapo*``: e.g. the DAPO-Math sample's
+  ``math_dapo_cispo_cold_start_model``, the toy jsonl's ``debug/dapo_math``): the last ``Answer:``
+  in the last 300 characters, the DAPO normalisation (``dapo.math_normalize``) of prediction and
+  ground truth, string equality. Reproduces the paper's verifier exactly.
+- ``\\boxed{}``, ``verify_boxed`` (``aime*`` such as ``aime24``, ``BOXED_SOURCES``): the last
+  ``\\boxed{..}`` in the last 1000 characters (else the DAPO ``Answer:`` line: AIME prompted with
+  the DAPO template), the same normalisation, then equal as numbers when both are plain decimals
+  ("042" == "42" == "42.0"), else as strings.
+- ``dapo_builtin``, the built-in task (``dapo.task.verify``): the integer on the last ``Answer:``
+  line equals the sum.
 
 Rewards are +1 (correct) and -1 (wrong, no answer, or verifier error); ``acc`` is the bool
 behind the reward and ``pred`` the normalised prediction (``[INVALID]`` when none was found).
