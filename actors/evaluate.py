@@ -56,7 +56,6 @@ _NO_EFFECT_KEYS = {
 }
 
 
-# -- metrics (pure) ----------------------------------------------------------------------------
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from ``n`` samples of which ``c`` are correct: 1 - C(n-c, k) / C(n, k).
 
@@ -125,7 +124,6 @@ def format_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# -- arguments ---------------------------------------------------------------------------------
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="dapo eval",
@@ -195,7 +193,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-# -- inputs ------------------------------------------------------------------------------------
 def check_data_sources(prompts: list[Prompt], data: str, template: str) -> None:
     """Fail before any generation when a row's data_source has no verifier; warn when the
     prompt asks for an answer format its verifier does not read."""
@@ -297,7 +294,6 @@ def prepare(args: argparse.Namespace) -> EvalInputs:
                       dtype, time.perf_counter() - t_start)
 
 
-# -- generation and scoring --------------------------------------------------------------------
 def run_eval(args: argparse.Namespace, inputs: EvalInputs) -> dict[str, Any]:
     """Generate and score; returns the report (``build_report``)."""
     from tqdm import tqdm

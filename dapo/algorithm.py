@@ -44,9 +44,6 @@ from dapo.config import AGG_MODES, AlgorithmConfig
 LOG_RATIO_CLAMP = 20.0  # exp(20) ~ 5e8: beyond this the ratio is noise anyway (verl's bound)
 
 
-# ---------------------------------------------------------------- advantages
-
-
 def group_advantages(rewards: Any, group_ids: Any, *, eps: float = 1e-6,
                      std_normalize: bool = True) -> torch.Tensor:
     """Group-normalised advantage of each sequence: Â_i = (R_i - mean_g) / (std_g + eps).
@@ -74,9 +71,6 @@ def group_advantages(rewards: Any, group_ids: Any, *, eps: float = 1e-6,
     no_signal = (hi == lo) | (count < 2)
     adv = centred / (var.sqrt()[idx] + eps) if std_normalize else centred
     return torch.where(no_signal[idx], torch.zeros_like(adv), adv)
-
-
-# ---------------------------------------------------------------- policy loss
 
 
 def policy_loss(
@@ -209,9 +203,6 @@ def loss_kwargs(cfg: AlgorithmConfig) -> dict[str, Any]:
                 tis_cap=cfg.tis_cap if cfg.prox_logp == "recompute" else None)
 
 
-# ---------------------------------------------------------------- overlong shaping
-
-
 def overlong_penalty(length: Any, max_len: int, cache_len: int) -> Any:
     """Soft overlong punishment, paper Eq. 13, added to the reward.
 
@@ -232,9 +223,6 @@ def overlong_penalty(length: Any, max_len: int, cache_len: int) -> Any:
     if isinstance(length, (np.ndarray, list, tuple)):
         return np.clip((start - np.asarray(length, dtype=np.float64)) / ramp, -1.0, 0.0)
     return float(min(max((start - length) / ramp, -1.0), 0.0))
-
-
-# ---------------------------------------------------------------- dynamic sampling
 
 
 class DynamicSamplingStalled(RuntimeError):
