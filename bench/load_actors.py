@@ -1,7 +1,7 @@
-"""Load: N simulated actors (threads in a few processes, no model) stream trajectory groups to one
-coordinator + replay queue + gRPC server on loopback; a consumer trains slower than they produce.
-Records queue depth, learner-side RSS over time, lease denials (backpressure), throughput and the
-exactly-once audit.
+"""Load: N actors (the production actor loop with a fake engine, threads in a few processes) stream
+trajectory groups to one coordinator + replay queue + gRPC server on loopback; a consumer trains
+slower than they produce. Records queue depth, learner-side RSS over time, lease denials
+(backpressure), throughput and the exactly-once audit.
 
     .venv/bin/python bench/load_actors.py [--actors 64] [--processes 4] [--duration-s 120] [--record bench/RELIABILITY.md]
 
@@ -69,7 +69,7 @@ def main() -> int:
         lines = [
             f"\n### Load, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
             f"\n`{cmd}` on {platform.node()} ({platform.machine()}, {os.cpu_count()} cores, shared)\n",
-            f"- {s['actors']} simulated actors ({args.processes} processes), {s['duration_s']:g} s: "
+            f"- {s['actors']} fake-engine actors ({args.processes} processes), {s['duration_s']:g} s: "
             f"{s['groups_received']:g} groups received ({s['groups_per_s']} groups/s, {s['MB_received']} MB), "
             f"{s['trained']} trained in {s['steps']} steps",
             f"- queue depth max {s['max_depth_groups']} (cap transport.queue_max_groups = {s['queue_max_groups']}); "

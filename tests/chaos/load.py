@@ -1,7 +1,8 @@
-"""Load: many simulated actors (threads in a few processes, no model) stream to one learner-side
-coordinator + replay queue + gRPC server on loopback, while a consumer "trains" (takes batches,
-bumps the version) slower than the actors produce. Measures queue depth, the RSS of the
-learner-side process, lease denials (backpressure) and the exactly-once books.
+"""Load: many actors (the production actor loop with a fake engine, tests/fake_actor.py, as
+threads in a few processes) stream to one learner-side coordinator + replay queue + gRPC server on
+loopback, while a consumer "trains" (takes batches, bumps the version) slower than the actors
+produce. Measures queue depth, the RSS of the learner-side process, lease denials (backpressure)
+and the exactly-once books.
 
 Shared by tests/chaos/test_load.py (short) and bench/load_actors.py (long).
 """
@@ -9,15 +10,14 @@ Shared by tests/chaos/test_load.py (short) and bench/load_actors.py (long).
 from __future__ import annotations
 
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 
 import psutil
 
-from tests.chaos.cluster import ROOT, kill_tree
-from tests.integration.wire_harness import TOKEN, Learner, make_cfg
+from tests.chaos.cluster import kill_tree
+from tests.integration.wire_harness import Learner, make_cfg, spawn_actors
 
 RSS_SAMPLE_S = 0.5
 
@@ -71,11 +71,7 @@ def run_load(*, num_actors: int = 64, num_processes: int = 4, duration_s: float 
     sampler.start()
     try:
         per = [num_actors // num_processes + (i < num_actors % num_processes) for i in range(num_processes)]
-        for i, n in enumerate(per):
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "tests.chaos.sim_actor_threads", "--target", learner.target, "--token", TOKEN,
-                 "--threads", str(n), "--prefix", f"p{i}", "--seed", str(i)], cwd=ROOT,
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        procs += [spawn_actors(learner.target, "--threads", str(n), "--easy-every", "5") for n in per]
         coord, queue = learner.coordinator, learner.queue
         end = t0 + duration_s
         while time.monotonic() < end:
@@ -85,8 +81,7 @@ def run_load(*, num_actors: int = 64, num_processes: int = 4, duration_s: float 
                 break
             report.trained += [g.prompt_id for g in batch]
             report.actors_registered = max(report.actors_registered, len(coord.status()["actors"]))
-            time.sleep(train_s)  # the simulated training step: slower than 64 actors produce (and > their
-            # heartbeat period, through which simulated actors learn the version)
+            time.sleep(train_s)  # the simulated training step: slower than 64 actors produce
             coord.set_version(coord.version + 1)
             report.steps += 1
         coord.request_shutdown()  # heartbeats tell every actor to leave; leases go back

@@ -1,6 +1,7 @@
-"""64 simulated actors (4 processes x 16 threads, no model) against one coordinator + replay
-queue on loopback, with a consumer slower than they produce: queue memory stays bounded,
-nothing is lost or trained twice, and the backpressure shows in the counters.
+"""64 actors (the production actor loop with a fake engine: 4 processes x 16 threads, no model)
+against one coordinator + replay queue on loopback, with a consumer slower than they produce:
+queue memory stays bounded, nothing is lost or trained twice, and the backpressure shows in the
+counters.
 bench/load_actors.py runs the same for longer and records the numbers."""
 
 from __future__ import annotations
