@@ -186,8 +186,7 @@ class PackedMicroBatch:
         idx = keep.nonzero().flatten()
         seq_of = seq_id[idx]
         counts = torch.bincount(seq_of, minlength=num_seqs)
-        first = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)[:-1]])
-        slot = torch.arange(idx.numel()) - first[seq_of]
+        slot = torch.arange(idx.numel()) - _offsets(counts)[seq_of]
         return PackedMicroBatch(tokens.view(1, -1), position.view(1, -1), idx - 1, tokens[idx], seq_of, slot,
                                 sampler_logp[idx].float(), advantages.float(), num_seqs,
                                 int(counts.max()) if idx.numel() else 0, bounds.tolist())
@@ -197,9 +196,6 @@ class PackedMicroBatch:
         rows = values.new_zeros(self.num_seqs, max(self.max_loss_tokens, 1))
         index = (self.seq_of_token.to(values.device), self.slot_of_token.to(values.device))
         return rows.index_put(index, values)
-
-    def row_mask(self) -> torch.Tensor:
-        return self.to_rows(torch.ones(self.target_ids.numel()))
 
 
 def plan(batch: SampleBatch, *, num_minibatches: int, world_size: int, max_tokens_per_microbatch: int

@@ -5,11 +5,8 @@ leases held, rejections), the policy version, and the staleness bound (learner/a
 Exactly once: a prompt has at most one active lease; a group is accepted only for an active
 lease (``complete_lease``), so a group whose lease was re-issued is dropped, never trained twice;
 every lease that does not complete goes back to pending and is re-issued first, so no prompt is
-lost. The replay queue reports what became of an accepted group with ``settle``. A group that
-does not fit the run is rejected at ``complete_lease``: its prompt is re-issued, its actor told.
-
-Lease credit bounds the replay queue: ``in_flight + queued < queue_max_groups``, so the queue
-never holds more decoded groups than that. Numbered Lease calls are idempotent (learner/leases.py).
+lost. Lease credit (``in_flight + queued < queue_max_groups``) bounds the replay queue's decoded
+groups. Numbered Lease calls are idempotent (learner/leases.py).
 
 Publication: ``begin_publish(v)`` before weights v can reach any actor, ``set_version(v)`` once
 they are published. In between, an actor already holding v (a collective member received it, a
@@ -231,9 +228,7 @@ class Coordinator:
                 self.registry.record_rejection(actor_id, invalid, detail)
                 return invalid
             self._end_lease_locked(lease, accepted=True)
-            actor = self.registry.actors.get(actor_id)
-            if actor is not None:
-                actor.last_seen_s = self._clock()
+            self.registry.actors[actor_id].last_seen_s = self._clock()  # an active lease's actor is registered
             self._count("leases_completed")
             return ""
 
@@ -257,12 +252,10 @@ class Coordinator:
         with self._lock:
             self._expire_locked()
             ledger = self.ledger
-            return {
-                "run_id": self.run_id, "version": self._version, "epoch": ledger.cursor.epoch,
-                "active_leases": len(ledger.active), "pending_reissue": len(ledger.pending),
-                "queued_groups": len(ledger.queued), "trained_groups": len(ledger.trained),
-                "shutdown": self._shutdown, "actors": self.registry.status(), "counters": dict(self._counters),
-            }
+            return {"run_id": self.run_id, "version": self._version, "epoch": ledger.cursor.epoch,
+                    "active_leases": len(ledger.active), "pending_reissue": len(ledger.pending),
+                    "queued_groups": len(ledger.queued), "trained_groups": len(ledger.trained),
+                    "shutdown": self._shutdown, "actors": self.registry.status(), "counters": dict(self._counters)}
 
     def audit(self) -> dict[str, int]:
         """``PromptLedger.audit``: every issued prompt in exactly one state."""

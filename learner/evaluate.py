@@ -8,10 +8,8 @@ warm-started tiny model is ~1.0 greedy but ~0.2 sampled; RL's job is to close th
 the learner's cheap in-run curve (``eval/accuracy``); ``dapo eval`` (vLLM, avg@k) is the thorough one.
 
 ``submit`` copies the weights into the evaluation model (the learner may update its own in place
-right after) and samples in a thread, so the next training step does not wait for it: on the
-embedded default an evaluation costs about one training step of CPU, every ``eval_every_steps``
-steps, which now runs where the machine has idle time (while the learner waits for a batch or the
-actors for a lease) instead of on the learner's critical path. One evaluation at a time (one
+right after) and samples in a thread: an evaluation (about one training step of CPU on the embedded
+default) runs while the learner waits for a batch, off its critical path. One at a time (one
 evaluation model); ``submit`` waits for the previous one.
 """
 

@@ -13,28 +13,21 @@
                                            learner: N groups
 ```
 
-Every message is counted exactly once: accepted, or dropped with a reason (a ``WireError``
-reason, ``wrong_run``, ``lease_not_active``, ``lease_mismatch``, ``future_version``,
-``internal_error``, or one of ``GROUP_REJECTIONS``) or filtered by dynamic sampling. A group that
-decodes but does not fit the run (``GroupLimits``: the learner would crash on an out-of-vocabulary
-id, or train on the wrong shape) or whose prompt ids are not the lease's is rejected: its lease
-ends and the prompt is re-issued, so the learner never sees it and exactly once holds.
+Every message is counted exactly once: accepted, filtered by dynamic sampling, or dropped with a
+reason (a ``WireError`` reason, ``wrong_run``, ``lease_not_active``, ``lease_mismatch``,
+``future_version``, ``internal_error``, or one of ``GROUP_REJECTIONS``: the group does not fit the
+run, so its lease ends and its prompt is re-issued). The exception: a frame larger than
+``max_message_bytes`` never reaches us (libzmq's MAXMSGSIZE drops the sender's connection), and
+that actor's lease times out.
 
-What becomes of an accepted group goes to the coordinator's ledger through one call,
-``coordinator.settle`` (filtered, stale, trained). Groups held at consumption that are older than
-k versions (``Admission.fresh_at_consumption``) are dropped and their prompts re-issued
-(``stale_at_consumption``); the staleness of every consumed group goes into a
-histogram (``staleness/<k>``). One exception to "counted": a single frame larger than
-``max_message_bytes`` never reaches us, since libzmq (MAXMSGSIZE) drops the sender's connection
-instead; that actor's lease then times out.
+Accepted groups settle with the coordinator (``coordinator.settle``: filtered, stale, trained).
+Groups older than k versions at consumption are dropped and re-issued (``stale_at_consumption``);
+the staleness of every consumed group goes into a histogram (``staleness/<k>``).
 
 Memory is bounded three ways: the coordinator's lease credit (in flight + queued <
 queue_max_groups, so groups with an active lease never exceed it), the buffer's own cap (the
 receiver stops reading when full), and ZMQ's RCVHWM + MAXMSGSIZE (then actors' sends block
 until their send timeout) for whatever a misbehaving sender pushes.
-
-``ReplayBuffer`` holds the socket-free logic (tested in-process); ``ReplayQueue`` adds the socket
-and the receiver thread.
 """
 
 from __future__ import annotations

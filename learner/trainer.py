@@ -237,7 +237,7 @@ class Trainer:
             # Absent: π_prox is this very forward (the first mini-batch, see recompute_prox).
             logp_prox = prox[(minibatch, u)] if (minibatch, u) in prox else logp.detach()
             sampler = mb.sampler_logp.to(self.device)
-            mask = mb.row_mask().to(self.device)
+            mask = mb.to_rows(torch.ones(mb.target_ids.numel())).to(self.device)
             loss, metrics = policy_loss(
                 mb.to_rows(logp), mb.to_rows(logp_prox), mb.advantages.to(self.device), mask,
                 behavior_logp=mb.to_rows(sampler) if self.settings.algorithm.prox_logp == "recompute" else None,
