@@ -95,15 +95,14 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 
-def shard_model(model: torch.nn.Module, device: torch.device, param_dtype: torch.dtype, *,
-                activation_checkpointing: bool = False, cpu_offload: bool = False) -> torch.nn.Module:
+def shard_model(model: torch.nn.Module, device: torch.device, settings: TrainerSettings) -> torch.nn.Module:
     """``fully_shard`` each decoder layer, then the root. The model must be identical on all ranks
     (same seed or same checkpoint): FSDP2 does not synchronise initial values."""
-    if activation_checkpointing:
+    if settings.activation_checkpointing:
         _apply_activation_checkpointing(model)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    offload = _offload_policy(device) if cpu_offload else OffloadPolicy()
+    mp = MixedPrecisionPolicy(param_dtype=settings.param_dtype, reduce_dtype=torch.float32)
+    offload = _offload_policy(device) if settings.cpu_offload else OffloadPolicy()
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
@@ -161,9 +160,7 @@ class Trainer:
         AttentionInterface.register("dapo_packed", packed_attention)
         model.set_attn_implementation("dapo_packed")
         self.head: LogprobHead | None = install_logprob_head(model) if settings.logprob_chunk_tokens > 0 else None
-        self.model = shard_model(model.to(device), device, settings.param_dtype,
-                                 activation_checkpointing=settings.activation_checkpointing,
-                                 cpu_offload=settings.cpu_offload)
+        self.model = shard_model(model.to(device), device, settings)
         self.model.train()
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr,
                                            weight_decay=settings.weight_decay)
