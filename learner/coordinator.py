@@ -49,8 +49,8 @@ class Coordinator:
         self._clock = clock
         self._lock = threading.RLock()
         self._actors_changed = threading.Condition(self._lock)
-        self._version = 0
-        self._publishing = 0  # > _version while begin_publish(v) waits for set_version(v)
+        self.version = 0  # the published policy version: only set_version and load_state_dict change it
+        self._publishing = 0  # > version while begin_publish(v) waits for set_version(v)
         self._shutdown = False
         self._counters: dict[str, int] = {}
 
@@ -63,29 +63,25 @@ class Coordinator:
                    seed=cfg.run.seed, **kwargs)
 
     @property
-    def version(self) -> int:
-        return self._version
-
-    @property
     def newest_version(self) -> int:
         """The newest weights an actor may hold: ``version``, or the version being published."""
-        return max(self._version, self._publishing)
+        return max(self.version, self._publishing)
 
     def begin_publish(self, version: int) -> None:
         """Weights ``version`` may reach actors from now on (the publisher makes them fetchable
         or broadcasts them before ``set_version(version)``): actors holding them may lease, their
         groups are admitted. Slots and the announced version stay at ``version`` until then."""
         with self._lock:
-            if version < self._version:
-                raise ValueError(f"begin_publish({version}): versions only increase (now {self._version})")
+            if version < self.version:
+                raise ValueError(f"begin_publish({version}): versions only increase (now {self.version})")
             self._publishing = max(self._publishing, version)
 
     def set_version(self, version: int) -> None:
         """The learner published ``version`` (called after each training step)."""
         with self._lock:
-            if version < self._version:
-                raise ValueError(f"set_version({version}): versions only increase (now {self._version})")
-            self._version = version
+            if version < self.version:
+                raise ValueError(f"set_version({version}): versions only increase (now {self.version})")
+            self.version = version
 
     def request_shutdown(self) -> None:
         """Stop leasing; heartbeats tell actors to leave."""
@@ -127,7 +123,7 @@ class Coordinator:
             if (lease_ack is not None and reply is not None
                     and reply.lost_by_heartbeat(lease_ack, self._clock(), self.registry.heartbeat_timeout_s)):
                 self._reclaim_reply_locked(actor)
-            return HeartbeatReply(self._version, self._shutdown, sum(actor.rejected.values()),
+            return HeartbeatReply(self.version, self._shutdown, sum(actor.rejected.values()),
                                   actor.last_rejected_reason)
 
     def leave(self, actor_id: int) -> int:
@@ -145,8 +141,8 @@ class Coordinator:
             actor = self._touch(actor_id)
             actor.weight_version = weight_version
             ledger, admission = self.ledger, self.admission
-            slots = admission.lease_capacity(self._version, weight_version, ledger.used_slots)
-            usable = admission.weights_usable(weight_version, self._version, self.newest_version)
+            slots = admission.lease_capacity(self.version, weight_version, ledger.used_slots)
+            usable = admission.weights_usable(weight_version, self.version, self.newest_version)
             # The first binding limit is the reason reported when fewer than asked are granted.
             # Ties go to the earlier entry: an actionable reason (shut down, load weights) first.
             limits = [(num_prompts, ""), (0 if self._shutdown else num_prompts, "shutting_down"),
@@ -165,7 +161,7 @@ class Coordinator:
             if denial:
                 self._count(f"lease_denied/{denial}")
             retry = 0.0 if denial in ("", "weights_unusable") else self.lease_retry_after_s
-            return LeaseResult(grants, denial, retry, self._version)
+            return LeaseResult(grants, denial, retry, self.version)
 
     def lease_numbered(self, actor_id: int, num_prompts: int, weight_version: int, *, request_id: int,
                        last_received_request_id: int) -> LeaseResult:
@@ -181,7 +177,7 @@ class Coordinator:
                 replayed = reply.replay(request_id, actor.lease_ids)
                 if replayed:
                     self._count("lease_replies_replayed")
-                    return LeaseResult(replayed, reply.result.denial, reply.result.retry_after_s, self._version)
+                    return LeaseResult(replayed, reply.result.denial, reply.result.retry_after_s, self.version)
                 if reply.lost_by_lease(request_id, last_received_request_id):
                     self._reclaim_reply_locked(actor)
             # Unbound on purpose: a subclass that records grants sees fresh grants, not replays.
@@ -252,7 +248,7 @@ class Coordinator:
         with self._lock:
             self._expire_locked()
             ledger = self.ledger
-            return {"run_id": self.run_id, "version": self._version, "epoch": ledger.cursor.epoch,
+            return {"run_id": self.run_id, "version": self.version, "epoch": ledger.cursor.epoch,
                     "active_leases": len(ledger.active), "pending_reissue": len(ledger.pending),
                     "queued_groups": len(ledger.queued), "trained_groups": len(ledger.trained),
                     "shutdown": self._shutdown, "actors": self.registry.status(), "counters": dict(self._counters)}
@@ -266,12 +262,12 @@ class Coordinator:
         """The ledger's state (active leases and queued groups saved as pending), the version
         and the counters: plain ints and lists."""
         with self._lock:
-            return {**self.ledger.state_dict(), "version": self._version, "counters": dict(self._counters)}
+            return {**self.ledger.state_dict(), "version": self.version, "counters": dict(self._counters)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self._lock:
             self.ledger.load_state_dict(state)
-            self._version = self._publishing = state["version"]
+            self.version = self._publishing = state["version"]
             self._counters = dict(state["counters"])
 
     def _count(self, name: str, n: int = 1) -> None:
