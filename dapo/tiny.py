@@ -180,22 +180,6 @@ def _sft_batch(tokenizer: Any, problems: list[tuple[int, int]], rng: random.Rand
     return ids, attn, loss_mask
 
 
-def _sft_step(model: Any, opt: Any, batch: tuple[Any, Any, Any]) -> float:
-    import torch
-    import torch.nn.functional as F
-
-    ids, attn, mask = batch
-    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                          reduction="none").view_as(mask)
-    loss = (nll * mask).sum() / mask.sum()
-    opt.zero_grad(set_to_none=True)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    opt.step()
-    return loss.item()
-
-
 def _lr_at(step: int, steps: int, lr: float) -> float:
     """Linear warm-up, then cosine decay to 0 at the end of the phase."""
     return lr * min(1.0, (step + 1) / RECIPE["sft_warmup_steps"]) * 0.5 * (1 + math.cos(math.pi * step / steps))
@@ -204,14 +188,23 @@ def _lr_at(step: int, steps: int, lr: float) -> float:
 def _train_phase(model: Any, tokenizer: Any, problems: Any, rng: random.Random, phase: dict[str, Any],
                  steps: int, lr: float, bar: Any) -> list[float]:
     import torch
+    import torch.nn.functional as F
 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     losses = []
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = _lr_at(step, steps, lr)
-        batch = _sft_batch(tokenizer, [next(problems) for _ in range(RECIPE["sft_batch_size"])], rng, phase)
-        losses.append(_sft_step(model, opt, batch))
+        ids, attn, mask = _sft_batch(tokenizer, [next(problems) for _ in range(RECIPE["sft_batch_size"])], rng, phase)
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                              reduction="none").view_as(mask)
+        loss = (nll * mask).sum() / mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
         bar.update(1)
         if step % 10 == 0:
             bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
