@@ -186,14 +186,12 @@ class Trainer:
         if self.head is not None:
             res = out.logits[0]  # [K, 2]: log-prob, entropy
             return res[:, 0], (res[:, 1].detach() if with_entropy else None)
-        logits = out.logits[0].float() / self.settings.temperature  # [K, V]
-        logp_all = torch.log_softmax(logits, dim=-1)
+        logp_all = torch.log_softmax(out.logits[0].float() / self.settings.temperature, dim=-1)  # [K, V]
         logp = logp_all.gather(-1, mb.target_ids.to(dev).unsqueeze(-1)).squeeze(-1)
-        entropy = None
-        if with_entropy:
-            with torch.no_grad():
-                entropy = -(logp_all.exp() * logp_all).sum(-1)
-        return logp, entropy
+        if not with_entropy:
+            return logp, None
+        with torch.no_grad():
+            return logp, -(logp_all.exp() * logp_all).sum(-1)
 
     @torch.no_grad()
     def recompute_prox(self, shard: RankShard, *, first_minibatch: int = 0
