@@ -377,8 +377,7 @@ def build_report(args: argparse.Namespace, inputs: EvalInputs, results: list[Pro
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     if not args.verbose:
-        # vLLM's start-up warnings (and a traceback from its chat-template warm-up, which has no
-        # tokenizer because ids go in and out) would bury the table; errors still show.
+        # vLLM's start-up warnings would bury the table; errors still show.
         os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"
     apply_service_env()  # before torch / vllm are imported
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")

@@ -95,10 +95,8 @@ class ActorMetrics:
 
 
 class GenerationLog:
-    """Append-only JSONL ``<run_dir>/logs/<file_name>``, one line per group: ``run_id``,
-    ``actor_id``, ``lease_id``, ``prompt_id``, ``min_token_version`` / ``max_token_version`` (over
-    every token of the group's samples, as the engine reported them), ``num_samples``,
-    ``num_tokens``, ``unix_time_s`` (just before the push).
+    """Append-only JSONL ``<run_dir>/logs/<file_name>``, one line per group (keys in ``record``) with
+    the oldest and newest policy version of its tokens, as the engine reported them.
 
     Written only where the run folder exists on this host (``dapo run`` and the learner create
     it; a shared filesystem): an actor elsewhere, or one built from a default config in a test,

@@ -72,8 +72,7 @@ def last_boxed(text: str) -> str | None:
         return None
     start = text.index("{", idx) + 1
     depth = 1
-    for i in range(start, len(text)):
-        ch = text[i]
+    for i, ch in enumerate(text[start:], start):
         if ch == "{":
             depth += 1
         elif ch == "}":

@@ -71,9 +71,8 @@ class WeightManifest:
         return start, min(self.chunk_bytes, self.total_bytes - start)
 
     def to_json(self) -> bytes:
-        body = _body(self.version, self.total_bytes, self.chunk_bytes, self.tensors)
-        body["chunk_checksums"] = list(self.chunk_checksums)
-        body["version_checksum"] = self.version_checksum
+        body = {**_body(self.version, self.total_bytes, self.chunk_bytes, self.tensors),
+                "chunk_checksums": list(self.chunk_checksums), "version_checksum": self.version_checksum}
         return json.dumps(body, separators=(",", ":")).encode()
 
     @staticmethod
