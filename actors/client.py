@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import grpc
-import torch
 import zmq
 
 from protos import AUTH_METADATA_KEY
@@ -144,9 +143,8 @@ class CoordinatorClient:
                                      f"{timeout_s:g} s); is the learner running?",
                                      code=grpc.StatusCode.DEADLINE_EXCEEDED) from None
 
-    def register(self, name: str, engine: str = "", supports_inflight: bool = False,
-                 weight_paths: tuple[str, ...] = ("network",)) -> pb.RegisterResponse:
-        caps = pb.Capabilities(engine=engine, supports_inflight=supports_inflight, weight_paths=list(weight_paths))
+    def register(self, name: str, engine: str = "", supports_inflight: bool = False) -> pb.RegisterResponse:
+        caps = pb.Capabilities(engine=engine, supports_inflight=supports_inflight)
         return self.call("Register", pb.RegisterRequest(actor_name=name, capabilities=caps))
 
     def heartbeat(self, actor_id: int, weight_version: int, **counters: int) -> pb.HeartbeatResponse:
@@ -234,80 +232,3 @@ class GroupPusher:
 
     def close(self) -> None:
         self._sock.close(linger=0)
-
-
-
-def network_fetcher(address: str, auth_token: str, timeout_s: float
-                    ) -> tuple[Callable[[int], tuple[int, dict[str, torch.Tensor]]], Callable[[], None]]:
-    """(fetch(actor_id) -> (version, state_dict), close) over the network weight path; gRPC
-    failures raise as from any call (nothing published yet: LearnerUnavailable)."""
-    from actors.transports.base import WeightFetchError
-    from actors.transports.network import NetworkWeightClient
-
-    weights = NetworkWeightClient(address, auth_token, timeout_s=timeout_s)
-
-    def fetch(actor_id: int) -> tuple[int, dict[str, torch.Tensor]]:
-        try:
-            version, state, _ = weights.receive(actor_id)
-        except CoordinatorError:
-            raise
-        except (WeightFetchError, OSError) as exc:  # side channel down or a transfer that failed checks
-            raise LearnerUnavailable(f"weight fetch from {address}: {exc}") from None
-        return version, state
-
-    return fetch, weights.close
-
-
-class CollectiveFollower:
-    """The collective weight path (``transport.weight_path=collective``): a thread that joins the
-    learner's broadcast group and receives every published version (the learner's broadcast
-    waits for each member, so receiving cannot wait for the actor loop); ``take()`` hands the
-    newest to the loop. Membership survives failed syncs: the receiver rejoins by itself.
-    """
-
-    def __init__(self, host: str, port: int, name: str, *, timeout_s: float) -> None:
-        self._args = (host, port, name, timeout_s)
-        self._latest: tuple[int, dict[str, torch.Tensor]] | None = None
-        self.error: Exception | None = None
-        self._receiver = None
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="actor-collective-weights")
-        self._thread.start()
-
-    def _run(self) -> None:
-        from actors.transports.collective import CollectiveUnsupported, CollectiveWeightReceiver
-
-        host, port, name, timeout_s = self._args
-        receiver = None
-        while not self._closed.is_set():
-            try:
-                if receiver is None:
-                    receiver = self._receiver = CollectiveWeightReceiver(host, port, name, timeout_s=timeout_s)
-                    log.info("joined the collective weight group at %s:%d as %s", host, port, name)
-                version, state, _ = receiver.receive()
-            except CollectiveUnsupported as exc:  # joining would stall every sync: stay out, say why
-                self.error = exc
-                log.error("collective weights: %s. This actor now takes every version over the network "
-                          "path (the actor loop fetches whatever the follower does not bring).", exc)
-                return
-            except Exception as exc:  # noqa: BLE001 - store timeouts between publishes, failed syncs
-                log.debug("collective weights: %s", exc)
-                if receiver is None:  # the learner's store is not up: do not spin
-                    self._closed.wait(1.0)
-                continue
-            # The state dict views a buffer the next receive() overwrites: keep a copy.
-            copy = {k: v.clone() for k, v in state.items()}
-            with self._lock:
-                self._latest = (version, copy)
-
-    def take(self) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """The newest received (version, state dict) not taken before, if any."""
-        with self._lock:
-            latest, self._latest = self._latest, None
-        return latest
-
-    def close(self) -> None:
-        self._closed.set()
-        if self._receiver is not None:  # the learner's next sync drops this member instead of failing on it
-            self._receiver.leave()

@@ -38,16 +38,17 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from actors.client import (AuthError, CollectiveFollower, CoordinatorClient, GroupPusher, LearnerUnavailable,
-                           SessionLost)
+from actors.client import AuthError, CoordinatorClient, GroupPusher, LearnerUnavailable, SessionLost
 from actors.engines import Engine, Sample
 from actors.metrics import ActorMetrics, GenerationLog
+from actors.transports import RECEIVERS
+from actors.transports.base import Follower
 from actors.verifier import Verifier
 from dapo.algorithm import overlong_penalty
 from dapo.config import DapoConfig
@@ -68,8 +69,8 @@ class Session:
     lost: threading.Event
     """Set by the heartbeat thread when the coordinator no longer knows this actor."""
     closed: threading.Event
-    follower: CollectiveFollower | None = None
-    """Receiver of the collective weight path, when the run uses it."""
+    follower: Follower = field(default_factory=Follower)
+    """Receiver of the run's weight backend (the network fetch is every backend's fallback)."""
 
 
 class Actor:
@@ -119,8 +120,7 @@ class Actor:
     # -- stages ---------------------------------------------------------------------------------
     def connect(self) -> bool:
         """Register (retrying with backoff while the learner is not up); False when stopped."""
-        caps = pb.Capabilities(engine=self.cfg.actor.engine, supports_inflight=True,
-                               weight_paths=["network", "collective"])
+        caps = pb.Capabilities(engine=self.cfg.actor.engine, supports_inflight=True, weight_backends=list(RECEIVERS))
         delay_s, waited_s = 0.25, 0.0
         while not self.stop.is_set():
             try:
@@ -139,11 +139,8 @@ class Actor:
         self._check_run_params(resp.run)
         pusher = GroupPusher(resp.zmq_endpoint, send_timeout_s=resp.run.rpc_timeout_s,
                              curve_server_public_key=self.cfg.transport.curve_server_public_key)
-        follower = None
-        if resp.run.weight_path == "collective":  # the network path stays the fallback
-            host = self.client.address.rpartition(":")[0]
-            follower = CollectiveFollower(host, self.cfg.transport.collective_port, self.name,
-                                          timeout_s=resp.run.rpc_timeout_s)
+        follower = RECEIVERS[resp.run.weight_backend](self.client.address.rpartition(":")[0], self.cfg.weights,
+                                                      self.name, resp.run.rpc_timeout_s)
         self.session = Session(resp.actor_id, resp.run_id, resp.run, pusher, threading.Event(), threading.Event(),
                                follower)
         self.latest_version = resp.current_version
@@ -161,7 +158,7 @@ class Actor:
         if not initial and self.engine.version >= self.latest_version:
             return
         session = self._session()
-        received = session.follower.take() if session.follower is not None else None
+        received = session.follower.take()
         if received is not None and received[0] >= self.latest_version and not initial:
             version, state = received  # the broadcast is already here: nothing to fetch
             self.metrics.add("weight_loads_collective")
@@ -305,8 +302,7 @@ class Actor:
         if self.session is not None:
             self.session.closed.set()
             self.session.pusher.close()
-            if self.session.follower is not None:
-                self.session.follower.close()
+            self.session.follower.close()
             self.session = None
 
     def _heartbeat_loop(self, session: Session) -> None:
@@ -331,6 +327,9 @@ class Actor:
                 self.stop.set()
 
     def _check_run_params(self, run: pb.RunParams) -> None:
+        if run.weight_backend not in RECEIVERS:
+            raise ValueError(f"the learner sends weights with backend {run.weight_backend!r}, which this actor "
+                             f"cannot receive (it has {', '.join(RECEIVERS)}); run one dapo version on both sides")
         longest = self.cfg.data.max_prompt_tokens + run.max_response_tokens
         if longest > self.cfg.model.max_model_len_tokens:
             raise ValueError(f"the learner's max_response_tokens={run.max_response_tokens} plus this actor's "

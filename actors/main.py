@@ -19,7 +19,7 @@ The actor may start before the learner (it waits, retrying with backoff up to
 actor.connect_retry_max_s) and survives learner restarts. Ctrl-C / SIGTERM: it leaves after the
 current stage (its leases go back to the coordinator) and exits 0 with one line saying so; a
 second Ctrl-C / SIGTERM exits at once (exit 1; its leases expire after the learner's
-transport.heartbeat_timeout_s). Run parameters (G, max tokens, temperature, staleness) come
+transport.heartbeat_timeout_s). Run parameters (G, max tokens, temperature, weight backend) come
 from the learner; the model architecture and engine from this actor's config.
 """
 EPILOG = """\
@@ -61,10 +61,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from actors.client import AuthError, CoordinatorClient, network_fetcher
+    from actors.client import AuthError, CoordinatorClient
     from actors.engines import make_engine
     from actors.loop import Actor
     from actors.metrics import ActorMetrics, serve_prometheus
+    from actors.transports.network import NetworkWeightClient
     from actors.verifier import Verifier
     from dapo.tiny import resolve_model_path
 
@@ -76,19 +77,19 @@ def main(argv: list[str] | None = None) -> int:
     t = cfg.transport
     client = CoordinatorClient(args.learner, t.auth_token, t.rpc_timeout_s, max_message_bytes=t.max_message_bytes,
                                reconnect_backoff_max_s=cfg.actor.connect_retry_max_s)
-    fetch, close_fetch = network_fetcher(args.learner, t.auth_token, t.rpc_timeout_s)
+    weights = NetworkWeightClient(args.learner, t.auth_token, timeout_s=t.rpc_timeout_s)  # every backend's fallback
     verifier = Verifier(cfg.actor.verifier_timeout_s, cfg.actor.reward_fn)
     metrics = ActorMetrics()
     stop_prometheus = serve_prometheus(metrics, cfg.actor.prometheus_port) if cfg.actor.prometheus_port > 0 else None
     actor = Actor(cfg, client, engine, verifier, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                  fetch, metrics, stop)
+                  weights.fetch, metrics, stop)
     error = None
     try:
         actor.run()
     except (AuthError, ValueError) as exc:  # wrong token, or a config the learner's run cannot use
         error = exc
     finally:
-        for close in (verifier.close, close_fetch, client.close, engine.close, stop_prometheus or (lambda: None)):
+        for close in (verifier.close, weights.close, client.close, engine.close, stop_prometheus or (lambda: None)):
             close()
     if error is not None:
         log.error("%s | final: %s", error, metrics.log_line())

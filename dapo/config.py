@@ -249,11 +249,6 @@ class LearnerConfig:
     """Serve Prometheus metrics from rank 0 on this port (0 = off)."""
     wandb: bool = False
     """Log to Weights & Biases when installed (set WANDB_MODE=offline for offline runs)."""
-    weight_sync_timeout_s: float = 60.0
-    """Deadline of one weight publication on rank 0: each side-channel socket operation and each
-    collective broadcast (a dead or stalled actor fails the sync after this), in seconds."""
-    weight_bucket_bytes: int = 64 << 20
-    """Bucket size of the collective weight broadcast (one gloo/NCCL broadcast per bucket), in bytes."""
     logprob_chunk_tokens: int = 1024
     """Loss tokens per chunk through the LM head when computing log-probs and entropies: the fp32
     logits of one chunk ([chunk, vocab]) are the largest buffer, recomputed in the backward, instead
@@ -271,8 +266,6 @@ class LearnerConfig:
                ">= 0 (0 = unchunked)")
         _check(not (self.cpu_offload and self.device == "cpu"), "learner.cpu_offload", self.cpu_offload,
                "false with learner.device=cpu (a CPU learner has nothing to offload)")
-        _check(self.weight_sync_timeout_s > 0, "learner.weight_sync_timeout_s", self.weight_sync_timeout_s, "> 0")
-        _check(self.weight_bucket_bytes >= 4096, "learner.weight_bucket_bytes", self.weight_bucket_bytes, ">= 4096")
         _check(self.device in ("auto", "cpu", "cuda"), "learner.device", self.device, "auto, cpu or cuda")
         _check(self.max_tokens_per_microbatch > 0, "learner.max_tokens_per_microbatch",
                self.max_tokens_per_microbatch, "> 0")
@@ -291,22 +284,9 @@ class TransportConfig:
     """Coordinator gRPC port (register, heartbeat, leases, weight announcements, status)."""
     zmq_port: int = 50052
     """Replay-queue ZeroMQ PULL port (trajectory groups)."""
-    weight_port: int = 50053
-    """Bulk weight side channel (raw TCP) port; gRPC carries only the control messages."""
     auth_token: str = "dapo-local"
     """Shared secret actors present in gRPC metadata and the ZMQ header. Change it whenever
     services bind beyond loopback."""
-    weight_path: str = "network"
-    """How actors get new weights: ``network`` (gRPC control + TCP bulk, elastic) or
-    ``collective`` (gloo on CPU / NCCL on GPU group of learner rank 0 and the actors)."""
-    collective_port: int = 50054
-    """TCPStore port of the weight-broadcast collective group."""
-    collective_backend: str = "auto"
-    """Backend of the collective weight path: ``gloo`` (CPU buffers), ``nccl`` (CUDA buffers; learner
-    rank 0 and every actor on distinct GPUs) or ``auto`` (NCCL when the learner trains on CUDA).
-    Actors follow whatever the learner chose."""
-    weight_chunk_bytes: int = 4 << 20
-    """Chunk size of weight transfers (each chunk carries a checksum), in bytes."""
     max_message_bytes: int = 64 << 20
     """Largest accepted ZMQ trajectory message or gRPC message, in bytes."""
     rpc_timeout_s: float = 10.0
@@ -332,21 +312,53 @@ class TransportConfig:
     """Z85 CURVE public key of the replay queue, given to actors outside a trusted network."""
 
     def __post_init__(self) -> None:
-        for key in ("grpc_port", "zmq_port", "weight_port", "collective_port"):
-            port = getattr(self, key)
-            _check(0 <= port < 65536, f"transport.{key}", port, "a TCP port in [0, 65535]")
-        _check(self.weight_path in ("network", "collective"), "transport.weight_path",
-               self.weight_path, "network or collective")
-        _check(self.collective_backend in ("auto", "gloo", "nccl"), "transport.collective_backend",
-               self.collective_backend, "auto, gloo or nccl")
+        for key in ("grpc_port", "zmq_port"):
+            _check(0 <= getattr(self, key) < 65536, f"transport.{key}", getattr(self, key), "a TCP port in [0, 65535]")
         _check(len(self.auth_token) > 0, "transport.auth_token", self.auth_token, "a non-empty string")
-        _check(self.weight_chunk_bytes >= 4096, "transport.weight_chunk_bytes", self.weight_chunk_bytes, ">= 4096")
         _check(self.rpc_timeout_s > 0, "transport.rpc_timeout_s", self.rpc_timeout_s, "> 0")
         _check(self.heartbeat_timeout_s > 0, "transport.heartbeat_timeout_s", self.heartbeat_timeout_s, "> 0")
         _check(self.shutdown_drain_s >= 0, "transport.shutdown_drain_s", self.shutdown_drain_s, ">= 0")
         _check(self.queue_max_groups >= 1, "transport.queue_max_groups", self.queue_max_groups, ">= 1")
         _check(self.lease_timeout_s > 0, "transport.lease_timeout_s", self.lease_timeout_s, "> 0")
         _check(self.lease_retry_after_s >= 0, "transport.lease_retry_after_s", self.lease_retry_after_s, ">= 0")
+
+
+WEIGHT_BACKENDS = ("side_channel", "grpc_stream", "collective")
+"""The weight-sync backends: keys of SENDERS (learner/transports/) and RECEIVERS (actors/transports/)."""
+
+
+@dataclass
+class WeightSyncConfig:
+    """How learner rank 0 gets each new version of the weights to the actors (they follow its choices)."""
+
+    backend: str = "side_channel"
+    """``side_channel``: actors pull over raw TCP; ``grpc_stream``: over the gRPC FetchWeights stream
+    (no port of its own, ~10x slower); ``collective``: a gloo/NCCL group of rank 0 and the actors gets
+    every version by broadcast (the side channel also runs: joining actors and the fallback)."""
+    side_channel_port: int = 50053
+    """Port of the side channel (raw TCP bulk weights), on transport.host."""
+    collective_port: int = 50054
+    """TCPStore port of the collective group; actors connect to this port of the learner's host."""
+    collective_backend: str = "auto"
+    """``gloo`` (CPU buffers), ``nccl`` (CUDA buffers; rank 0 and every actor on distinct GPUs) or
+    ``auto`` (NCCL when the learner trains on CUDA)."""
+    chunk_bytes: int = 4 << 20
+    """Checksum unit of a version (a chunk that fails its blake3 is refetched alone), in bytes."""
+    bucket_bytes: int = 64 << 20
+    """Bytes per gloo/NCCL broadcast call of the collective."""
+    sync_timeout_s: float = 60.0
+    """Deadline of each side-channel socket operation and collective broadcast on rank 0 (a dead or
+    stalled actor fails the sync after this), in seconds."""
+
+    def __post_init__(self) -> None:
+        _check(self.backend in WEIGHT_BACKENDS, "weights.backend", self.backend, f"one of {', '.join(WEIGHT_BACKENDS)}")
+        for key in ("side_channel_port", "collective_port"):
+            _check(0 <= getattr(self, key) < 65536, f"weights.{key}", getattr(self, key), "a TCP port in [0, 65535]")
+        _check(self.collective_backend in ("auto", "gloo", "nccl"), "weights.collective_backend",
+               self.collective_backend, "auto, gloo or nccl")
+        for key in ("chunk_bytes", "bucket_bytes"):
+            _check(getattr(self, key) >= 4096, f"weights.{key}", getattr(self, key), ">= 4096")
+        _check(self.sync_timeout_s > 0, "weights.sync_timeout_s", self.sync_timeout_s, "> 0")
 
 
 DEFAULT_AUTH_TOKEN = next(f.default for f in dataclasses.fields(TransportConfig) if f.name == "auth_token")
@@ -407,6 +419,7 @@ class DapoConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
+    weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:

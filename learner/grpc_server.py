@@ -187,22 +187,21 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.counters = counters or _Counters()
 
     def _run_params(self) -> pb.RunParams:
-        a, act, t = self.cfg.algorithm, self.cfg.actor, self.cfg.transport
+        a, act = self.cfg.algorithm, self.cfg.actor
         return pb.RunParams(
             num_samples_per_prompt=a.num_samples_per_prompt, max_response_tokens=act.max_response_tokens,
-            max_staleness_steps=a.max_staleness_steps, temperature=act.temperature, top_p=act.top_p,
-            overlong_punishment=a.overlong_punishment, overlong_cache_tokens=a.overlong_cache_tokens,
-            prompts_per_lease=act.prompts_per_lease, heartbeat_interval_s=act.heartbeat_interval_s,
-            heartbeat_timeout_s=t.heartbeat_timeout_s, max_message_bytes=t.max_message_bytes,
-            weight_path=t.weight_path, rpc_timeout_s=t.rpc_timeout_s, num_prompts_per_step=a.num_prompts_per_step)
+            temperature=act.temperature, top_p=act.top_p, overlong_punishment=a.overlong_punishment,
+            overlong_cache_tokens=a.overlong_cache_tokens, prompts_per_lease=act.prompts_per_lease,
+            heartbeat_interval_s=act.heartbeat_interval_s, weight_backend=self.cfg.weights.backend,
+            rpc_timeout_s=self.cfg.transport.rpc_timeout_s)
 
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterResponse:
         _require(len(request.actor_name) <= MAX_NAME_CHARS, f"actor_name longer than {MAX_NAME_CHARS} characters")
         caps = request.capabilities
-        _require(len(caps.engine) <= MAX_NAME_CHARS and len(caps.weight_paths) <= 8, "capabilities too large")
+        _require(len(caps.engine) <= MAX_NAME_CHARS and len(caps.weight_backends) <= 8, "capabilities too large")
         actor_id = self.coordinator.register(request.actor_name, {
             "engine": caps.engine, "supports_inflight": caps.supports_inflight,
-            "weight_paths": list(caps.weight_paths)})
+            "weight_backends": list(caps.weight_backends)})
         return pb.RegisterResponse(actor_id=actor_id, run_id=self.coordinator.run_id, zmq_endpoint=self.zmq_endpoint,
                                    current_version=self.coordinator.version, run=self._run_params())
 

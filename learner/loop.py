@@ -7,7 +7,7 @@
  from_groups: advantages, packing plan ─> scatter      rank 0 -> each rank its packed share
                                           train        π_prox, M mini-batches × micro-batches, AdamW
                                           gather       full state dict -> rank 0
- publisher: side channel + collective  <─ publish      version v+1; coordinator.set_version
+ publisher: SENDERS[weights.backend]   <─ publish      version v+1; coordinator.set_version
  evaluator (every K steps, sampled)                    (rank 0, a background thread: training goes on;
                                                         step records wait in order for its result)
                                           checkpoint   every K steps (DCP + coordinator state)
@@ -112,7 +112,7 @@ def next_batch(cfg: DapoConfig, services: Rank0Services | None, stop: StopFlag,
             if stop.reason:
                 ctrl[0] = STOP
             else:
-                services.publisher.sync_new_members()  # bounded by learner.weight_sync_timeout_s
+                services.publisher.sync_new_members()  # bounded by weights.sync_timeout_s
                 try:
                     groups = services.replay.get_batch(min(slice_s, max(deadline - time.monotonic(), 0.01)))
                     ctrl[0] = BATCH

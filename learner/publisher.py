@@ -5,8 +5,8 @@
    │ serialise: dapo.weights.flatten_state_dict into a recycled buffer + blake3 chunk checksums
    ▼
  VersionStore (latest `keep_versions` versions, ref-counted buffers)
-   ├── WeightSource hook -> gRPC GetWeightInfo / FetchWeights (learner/grpc_server.py, slow fallback)
-   └── senders (learner/transports/, by name): side_channel (raw TCP pull), collective (broadcast)
+   ├── WeightSource hook -> gRPC GetWeightInfo / FetchWeights (learner/grpc_server.py; grpc_stream)
+   └── senders (learner/transports/ SENDERS[weights.backend]): side_channel (TCP pull), collective
 ```
 """
 
@@ -79,33 +79,17 @@ class VersionStore:
 
 
 class WeightPublisher:
-    """Rank 0's publisher. Also the ``WeightSource`` the gRPC service calls (``info`` / ``read``).
+    """Rank 0's publisher: the version store, fanned out to the senders ``SENDERS[backend]`` lists.
+    Also the ``WeightSource`` the gRPC service calls (``info`` / ``read``)."""
 
-    The side channel always runs (it is also the collective path's repair path); the collective
-    sender runs when ``collective_port`` is set."""
-
-    def __init__(self, *, host: str, side_channel_port: int, auth_token: str, chunk_bytes: int,
-                 timeout_s: float, dtype: torch.dtype | None = None, collective_port: int | None = None,
-                 bucket_bytes: int = 64 << 20, keep_versions: int = 2, collective_backend: str = "gloo",
-                 device: torch.device | None = None) -> None:
+    def __init__(self, backend: str, options: SenderOptions, *, chunk_bytes: int, dtype: torch.dtype | None = None,
+                 keep_versions: int = 2) -> None:
         self.chunk_bytes = chunk_bytes
         self.dtype = dtype
         self.store = VersionStore(keep_versions)
-        ports = {"side_channel": side_channel_port, "collective": collective_port}
-        self.senders: dict[str, WeightSender] = {
-            name: SENDERS[name](self.store, SenderOptions(host, port, auth_token, timeout_s, bucket_bytes,
-                                                          collective_backend, device or torch.device("cpu")))
-            for name, port in ports.items() if port is not None}
+        self.senders: dict[str, WeightSender] = {cls.name: cls(self.store, options) for cls in SENDERS[backend]}
         self.errors: dict[str, WeightSyncError] = {}
         """Failures of the last publish or catch-up, by sender (receivers rejoin for the next version)."""
-
-    @property
-    def server(self) -> WeightSender:
-        return self.senders["side_channel"]
-
-    @property
-    def collective(self) -> WeightSender | None:
-        return self.senders.get("collective")
 
     def publish(self, state_dict: Mapping[str, torch.Tensor], version: int) -> dict[str, float]:
         """Serialise, store and hand ``version`` to every sender; returns the time breakdown.
@@ -143,16 +127,18 @@ class WeightPublisher:
     # ---- the WeightSource hook of learner/grpc_server.py
 
     def info(self) -> pb.WeightInfo | None:
-        """Latest version's manifest and the side-channel endpoint; None before the first publish."""
+        """Latest version's manifest and the side-channel endpoint ("" when none runs: actors read
+        the FetchWeights stream); None before the first publish."""
         man = self.store.latest()
         if man is None:
             return None
+        side_channel = self.senders.get("side_channel")
         return pb.WeightInfo(
             version=man.version, total_bytes=man.total_bytes, chunk_bytes=man.chunk_bytes,
             manifest=[pb.TensorEntry(name=t.name, dtype=t.dtype, shape=list(t.shape), offset_bytes=t.offset_bytes,
                                      nbytes=t.nbytes) for t in man.tensors],
             chunk_checksums=list(man.chunk_checksums), version_checksum=man.version_checksum,
-            checksum_algorithm="blake3", side_channel_endpoint=self.server.endpoint)
+            checksum_algorithm="blake3", side_channel_endpoint=side_channel.endpoint if side_channel else "")
 
     def read(self, version: int, offset: int, length: int) -> bytes:
         """Bytes [offset, offset + length) of ``version``; KeyError when the version is not held."""

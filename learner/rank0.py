@@ -55,7 +55,7 @@ class _Source:
 def start_services(cfg: DapoConfig, model_path: Path, run_state: dict,
                    device: torch.device = torch.device("cpu")) -> Rank0Services:
     """Start everything rank 0 serves; ``run_state`` comes from a checkpoint (resume; {} when
-    fresh); ``device`` is rank 0's training device (it decides the collective weight path's backend)."""
+    fresh); ``device`` is rank 0's training device (it decides the collective's gloo or NCCL)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from dapo.data import build_dataset
@@ -64,6 +64,7 @@ def start_services(cfg: DapoConfig, model_path: Path, run_state: dict,
     from learner.publisher import WeightPublisher
     from learner.replay import ReplayQueue
     from learner.grpc_server import CoordinatorServer
+    from learner.transports import SenderOptions
 
     t = cfg.transport
     prompts = build_dataset(cfg, "train", AutoTokenizer.from_pretrained(model_path))
@@ -76,12 +77,12 @@ def start_services(cfg: DapoConfig, model_path: Path, run_state: dict,
     replay = ReplayQueue(cfg, coordinator, vocab_size=vocab_size)
     if "replay" in run_state:  # absent on a fresh start
         replay.load_state_dict(run_state["replay"])
-    publisher = WeightPublisher(
-        host=t.host, side_channel_port=t.weight_port, auth_token=t.auth_token, chunk_bytes=t.weight_chunk_bytes,
-        timeout_s=cfg.learner.weight_sync_timeout_s, dtype=getattr(torch, cfg.model.dtype),
-        collective_port=t.collective_port if t.weight_path == "collective" else None,
-        bucket_bytes=cfg.learner.weight_bucket_bytes, device=device,
-        collective_backend=resolve_backend(t.collective_backend, device))
+    w = cfg.weights
+    publisher = WeightPublisher(w.backend, SenderOptions(
+        t.host, t.auth_token, w.sync_timeout_s, side_channel_port=w.side_channel_port,
+        collective_port=w.collective_port, bucket_bytes=w.bucket_bytes, device=device,
+        collective_backend=resolve_backend(w.collective_backend, device)), chunk_bytes=w.chunk_bytes,
+        dtype=getattr(torch, cfg.model.dtype))
     server = CoordinatorServer(cfg, coordinator, zmq_endpoint=replay.start(), queue=replay, weight_source=publisher)
     server.start()
     run_dir = Path(cfg.run.run_dir)
@@ -94,8 +95,7 @@ def start_services(cfg: DapoConfig, model_path: Path, run_state: dict,
         evaluator = Evaluator(cfg, model_path)
     services = Rank0Services(coordinator, replay, publisher, metrics, run_dir / "trained_prompts.jsonl", server,
                                   evaluator)
-    collective = (f", {publisher.collective.backend} collective store port {publisher.collective.port}"
-                  if publisher.collective else "")
-    print(f"learner: coordinator {server.address}, replay {replay.endpoint}, weights {publisher.server.endpoint}"
-          f" ({t.weight_path}{collective})", flush=True)
+    senders = ", ".join(f"{name} {sender.endpoint}" for name, sender in publisher.senders.items())
+    print(f"learner: coordinator {server.address}, replay {replay.endpoint}, weights {w.backend} ({senders})",
+          flush=True)
     return services

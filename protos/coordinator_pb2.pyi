@@ -23,14 +23,14 @@ LEASE_DENIAL_QUEUE_FULL: LeaseDenial
 LEASE_DENIAL_SHUTTING_DOWN: LeaseDenial
 
 class Capabilities(_message.Message):
-    __slots__ = ("engine", "supports_inflight", "weight_paths")
+    __slots__ = ("engine", "supports_inflight", "weight_backends")
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_INFLIGHT_FIELD_NUMBER: _ClassVar[int]
-    WEIGHT_PATHS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BACKENDS_FIELD_NUMBER: _ClassVar[int]
     engine: str
     supports_inflight: bool
-    weight_paths: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, engine: _Optional[str] = ..., supports_inflight: _Optional[bool] = ..., weight_paths: _Optional[_Iterable[str]] = ...) -> None: ...
+    weight_backends: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, engine: _Optional[str] = ..., supports_inflight: _Optional[bool] = ..., weight_backends: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RegisterRequest(_message.Message):
     __slots__ = ("actor_name", "capabilities")
@@ -41,36 +41,28 @@ class RegisterRequest(_message.Message):
     def __init__(self, actor_name: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ...) -> None: ...
 
 class RunParams(_message.Message):
-    __slots__ = ("num_samples_per_prompt", "max_response_tokens", "max_staleness_steps", "temperature", "top_p", "overlong_punishment", "overlong_cache_tokens", "prompts_per_lease", "heartbeat_interval_s", "heartbeat_timeout_s", "max_message_bytes", "weight_path", "rpc_timeout_s", "num_prompts_per_step")
+    __slots__ = ("num_samples_per_prompt", "max_response_tokens", "temperature", "top_p", "overlong_punishment", "overlong_cache_tokens", "prompts_per_lease", "heartbeat_interval_s", "weight_backend", "rpc_timeout_s")
     NUM_SAMPLES_PER_PROMPT_FIELD_NUMBER: _ClassVar[int]
     MAX_RESPONSE_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    MAX_STALENESS_STEPS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     OVERLONG_PUNISHMENT_FIELD_NUMBER: _ClassVar[int]
     OVERLONG_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PROMPTS_PER_LEASE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
-    HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
-    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
-    WEIGHT_PATH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_BACKEND_FIELD_NUMBER: _ClassVar[int]
     RPC_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
-    NUM_PROMPTS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     num_samples_per_prompt: int
     max_response_tokens: int
-    max_staleness_steps: int
     temperature: float
     top_p: float
     overlong_punishment: bool
     overlong_cache_tokens: int
     prompts_per_lease: int
     heartbeat_interval_s: float
-    heartbeat_timeout_s: float
-    max_message_bytes: int
-    weight_path: str
+    weight_backend: str
     rpc_timeout_s: float
-    num_prompts_per_step: int
-    def __init__(self, num_samples_per_prompt: _Optional[int] = ..., max_response_tokens: _Optional[int] = ..., max_staleness_steps: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., overlong_punishment: _Optional[bool] = ..., overlong_cache_tokens: _Optional[int] = ..., prompts_per_lease: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., max_message_bytes: _Optional[int] = ..., weight_path: _Optional[str] = ..., rpc_timeout_s: _Optional[float] = ..., num_prompts_per_step: _Optional[int] = ...) -> None: ...
+    def __init__(self, num_samples_per_prompt: _Optional[int] = ..., max_response_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., overlong_punishment: _Optional[bool] = ..., overlong_cache_tokens: _Optional[int] = ..., prompts_per_lease: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., weight_backend: _Optional[str] = ..., rpc_timeout_s: _Optional[float] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("actor_id", "run_id", "zmq_endpoint", "current_version", "run")

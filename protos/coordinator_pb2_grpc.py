@@ -133,8 +133,8 @@ class CoordinatorServicer:
         raise NotImplementedError('Method not implemented!')
 
     def FetchWeights(self, request, context):
-        """Slow fallback for bulk weights: server-streamed chunks of the flat weight buffer.
-        UNAVAILABLE until published; NOT_FOUND when the version is no longer held.
+        """Bulk weights when no side channel is announced (grpc_stream): server-streamed chunks of the
+        flat weight buffer. UNAVAILABLE until published; NOT_FOUND when the version is no longer held.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -19,9 +19,6 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-BACKENDS = ("auto", "gloo", "nccl")
-
-
 def set_kernel_timeouts(sock: socket.socket, timeout_s: float) -> None:
     """Blocking socket with SO_RCVTIMEO/SO_SNDTIMEO deadlines. Python's ``settimeout`` polls before
     every send/recv, which cost ~35 % of loopback throughput for bulk weights here."""
@@ -32,16 +29,14 @@ def set_kernel_timeouts(sock: socket.socket, timeout_s: float) -> None:
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:
-    """``auto`` is NCCL when the learner trains on CUDA, else gloo. Raises ValueError for an NCCL
-    request this process cannot serve, saying what to do instead."""
-    if requested not in BACKENDS:
-        raise ValueError(f"transport.collective_backend={requested!r}: expected one of {', '.join(BACKENDS)}")
+    """``auto`` (or gloo, nccl: dapo.config checks) is NCCL when the learner trains on CUDA, else gloo.
+    Raises ValueError for an NCCL request this process cannot serve, saying what to do instead."""
     if requested == "auto":
         return "nccl" if device.type == "cuda" and dist.is_nccl_available() else "gloo"
     if requested == "nccl" and not (device.type == "cuda" and dist.is_nccl_available()):
-        raise ValueError("transport.collective_backend=nccl needs a CUDA learner and a torch built with NCCL "
+        raise ValueError("weights.collective_backend=nccl needs a CUDA learner and a torch built with NCCL "
                          f"(this one: device {device}, NCCL available: {dist.is_nccl_available()}); "
-                         "use transport.collective_backend=gloo or auto")
+                         "use weights.collective_backend=gloo or auto")
     return requested
 
 

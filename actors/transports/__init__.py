@@ -1,6 +1,13 @@
-"""Weight transports, actor side: the receiving halves of ``learner/transports/``.
+"""Weight transports, actor side: the receiving half of each backend of ``learner/transports/``.
 
-``network.NetworkWeightClient`` (side channel, or the FetchWeights stream when none is announced)
-and ``collective.CollectiveWeightReceiver`` follow ``base.WeightReceiver``; ``side_channel`` and
-``grpc_stream`` are their range readers (``base.RangeReader``, also the collective repair path).
+RECEIVERS[RunParams.weight_backend] is the ``base.Follower`` an actor runs beside its network fetch
+(``network.NetworkWeightClient`` over ``side_channel`` or ``grpc_stream``), every backend's fallback.
+A new backend is one file here and one line in RECEIVERS, its sender in ``learner/transports/`` (one
+file, one line in SENDERS) and its name in ``dapo.config.WEIGHT_BACKENDS``.
 """
+
+from actors.transports.base import Follower
+from actors.transports.collective import CollectiveFollower
+
+RECEIVERS: dict[str, type[Follower]] = {"side_channel": Follower, "grpc_stream": Follower,
+                                        "collective": CollectiveFollower}

@@ -10,7 +10,7 @@ checksums are always verified, a corrupted chunk is refetched up to ``max_refetc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 
@@ -35,11 +35,20 @@ class FetchStats:
     extra: dict[str, float] = field(default_factory=dict)
 
 
-class WeightReceiver(Protocol):
-    def receive(self) -> tuple[int, dict[str, torch.Tensor], FetchStats]:
-        """The next (pull: the latest) version, verified; raises WeightFetchError."""
+class Follower:
+    """What the actor loop runs for the learner's backend: ``RECEIVERS[RunParams.weight_backend](
+    learner_host, cfg.weights, actor_name, timeout_s)``. ``take()`` hands over a version that arrived
+    by itself, or None: the loop then fetches the latest over the network path. This base class is
+    the follower of a pull backend, where nothing arrives by itself."""
 
-    def close(self) -> None: ...
+    def __init__(self, *_: object) -> None:
+        pass
+
+    def take(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        return None
+
+    def close(self) -> None:
+        pass
 
 
 RangeReader = Callable[[memoryview, int, int], None]

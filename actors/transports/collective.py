@@ -7,6 +7,8 @@ into a reused buffer -> verify -> refetch bad chunks over a ``base.RangeReader``
 from __future__ import annotations
 
 import json
+import logging
+import threading
 import time
 from datetime import timedelta
 from typing import Callable
@@ -14,9 +16,12 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from actors.transports.base import FetchStats, RangeReader, ReceiveBuffer, WeightFetchError, repair
+from actors.transports.base import FetchStats, Follower, RangeReader, ReceiveBuffer, WeightFetchError, repair
+from dapo.config import WeightSyncConfig
 from dapo.weights import WeightManifest, unflatten
 from protos import transports
+
+log = logging.getLogger(__name__)
 
 
 class CollectiveUnsupported(WeightFetchError):
@@ -29,7 +34,7 @@ class CollectiveWeightReceiver:
     ``repair_read(dst, version, offset)`` refetches corrupted chunks (e.g. a SideChannelClient).
     """
 
-    def __init__(self, host: str, port: int, name: str, *, timeout_s: float, bucket_bytes: int = 64 << 20,
+    def __init__(self, host: str, port: int, name: str, *, timeout_s: float,
                  repair_read: RangeReader | None = None, max_refetch: int = 3,
                  after_receive: Callable[[torch.Tensor], None] | None = None,
                  cuda_device: torch.device | None = None) -> None:
@@ -38,7 +43,6 @@ class CollectiveWeightReceiver:
         self._cuda_device = cuda_device  # NCCL receive device; None = the current CUDA device
         self._staging: ReceiveBuffer | None = None
         self._timeout = timedelta(seconds=timeout_s)
-        self._bucket_bytes = bucket_bytes
         self._repair_read = repair_read
         self._max_refetch = max_refetch
         self._after_receive = after_receive  # fault injection in tests (corrupt bytes in transit)
@@ -85,7 +89,7 @@ class CollectiveWeightReceiver:
         dst = buf if staging is None else staging.get(manifest.total_bytes)
         t1 = time.perf_counter()
         try:
-            transports.broadcast_buckets(self._pg, dst, self._bucket_bytes, self._timeout)
+            transports.broadcast_buckets(self._pg, dst, meta["bucket_bytes"], self._timeout)
             if staging is not None:  # checksums and the engine's loader read host memory
                 buf.copy_(dst)
         except Exception as exc:  # noqa: BLE001 - the group is unusable; rejoin next time
@@ -115,8 +119,7 @@ class CollectiveWeightReceiver:
             raise CollectiveUnsupported(
                 f"the learner broadcasts weights with {backend!r}, which this actor cannot receive "
                 f"(CUDA available: {torch.cuda.is_available()}, NCCL available: {dist.is_nccl_available()}); "
-                "start the learner with transport.collective_backend=gloo, or this actor with "
-                "transport.weight_path=network")
+                "start the learner with weights.collective_backend=gloo or weights.backend=side_channel")
         if self._staging is None:
             self._staging = ReceiveBuffer(self._cuda_device or torch.device("cuda", torch.cuda.current_device()))
         return self._staging
@@ -134,3 +137,52 @@ class CollectiveWeightReceiver:
     def close(self) -> None:
         self._pg, self._staging = None, None
 
+
+class CollectiveFollower(Follower):
+    """The follower of the collective: a thread that joins the learner's broadcast group and
+    receives every published version (the learner's broadcast waits for each member, so receiving
+    cannot wait for the actor loop); ``take()`` hands the newest to the loop. Membership survives
+    failed syncs: the receiver rejoins by itself.
+    """
+
+    def __init__(self, learner_host: str, weights: WeightSyncConfig, name: str, timeout_s: float) -> None:
+        self._args = (learner_host, weights.collective_port, name, timeout_s)
+        self._latest: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._receiver = None
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        threading.Thread(target=self._run, daemon=True, name="actor-collective-weights").start()
+
+    def _run(self) -> None:
+        host, port, name, timeout_s = self._args
+        receiver = None
+        while not self._closed.is_set():
+            try:
+                if receiver is None:
+                    receiver = self._receiver = CollectiveWeightReceiver(host, port, name, timeout_s=timeout_s)
+                    log.info("joined the collective weight group at %s:%d as %s", host, port, name)
+                version, state, _ = receiver.receive()
+            except CollectiveUnsupported as exc:  # joining would stall every sync: stay out, say why
+                log.error("collective weights: %s. This actor now takes every version over the network "
+                          "path (the actor loop fetches whatever the follower does not bring).", exc)
+                return
+            except Exception as exc:  # noqa: BLE001 - store timeouts between publishes, failed syncs
+                log.debug("collective weights: %s", exc)
+                if receiver is None:  # the learner's store is not up: do not spin
+                    self._closed.wait(1.0)
+                continue
+            # The state dict views a buffer the next receive() overwrites: keep a copy.
+            copy = {k: v.clone() for k, v in state.items()}
+            with self._lock:
+                self._latest = (version, copy)
+
+    def take(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The newest received (version, state dict) not taken before, if any."""
+        with self._lock:
+            latest, self._latest = self._latest, None
+        return latest
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._receiver is not None:  # the learner's next sync drops this member instead of failing on it
+            self._receiver.leave()

@@ -9,8 +9,8 @@ from typing import Callable
 
 import torch
 
-from actors.client import CoordinatorClient
-from actors.transports.base import FetchStats, ReceiveBuffer, manifest_from_info, repair
+from actors.client import CoordinatorClient, CoordinatorError, LearnerUnavailable
+from actors.transports.base import FetchStats, ReceiveBuffer, WeightFetchError, manifest_from_info, repair
 from actors.transports.grpc_stream import GrpcStreamClient
 from actors.transports.side_channel import SideChannelClient
 from dapo.weights import unflatten
@@ -56,6 +56,17 @@ class NetworkWeightClient:
         stats.refetched_chunks = repair(buf, manifest, reader.read_into, self._max_refetch)
         stats.transfer_s, stats.verify_s = t1 - t0, time.perf_counter() - t1
         return manifest.version, unflatten(buf, manifest), stats
+
+    def fetch(self, actor_id: int) -> tuple[int, dict[str, torch.Tensor]]:
+        """``receive`` for the actor loop: a failed transfer is LearnerUnavailable (retried), as
+        is nothing published yet (a gRPC failure raises as from any call)."""
+        try:
+            version, state, _ = self.receive(actor_id)
+        except CoordinatorError:
+            raise
+        except (WeightFetchError, OSError) as exc:  # side channel down or a transfer that failed checks
+            raise LearnerUnavailable(f"weight fetch from {self._rpc.address}: {exc}") from None
+        return version, state
 
     def close(self) -> None:
         for reader in self._readers.values():

@@ -5,7 +5,7 @@ collective) send every version. The actor side mirrors this in ``actors/transpor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
@@ -21,18 +21,21 @@ class WeightSyncError(RuntimeError):
 
 @dataclass(frozen=True)
 class SenderOptions:
-    """What every sender is built from; each reads the fields its backend uses."""
+    """What every sender is built from (``dapo.config.WeightSyncConfig`` on rank 0); each reads the
+    fields its backend uses. Ports: 0 = any free port (the sender's ``endpoint`` tells which)."""
 
     host: str
-    port: int  # 0 = any free port (the sender's ``endpoint`` tells which)
     auth_token: str
     timeout_s: float  # deadline of every blocking socket or collective call
-    bucket_bytes: int  # collective: bytes per broadcast call
-    backend: str  # collective: "gloo" or "nccl" (resolved by protos/transports.py)
-    device: torch.device  # collective with NCCL: the CUDA device the buffer is staged on
+    side_channel_port: int = 0
+    collective_port: int = 0
+    bucket_bytes: int = 64 << 20  # collective: bytes per broadcast call
+    collective_backend: str = "gloo"  # "gloo" or "nccl" (resolved by protos/transports.py)
+    device: torch.device = torch.device("cpu")  # NCCL: the CUDA device the buffer is staged on
 
 
 class WeightSender(Protocol):
+    name: ClassVar[str]  # in metrics (``weights/<name>_error``) and WeightPublisher.senders
     endpoint: str  # host:port receivers connect to
 
     def __init__(self, store: VersionStore, options: SenderOptions) -> None: ...

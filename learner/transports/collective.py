@@ -3,7 +3,7 @@ rebuilt when membership changes; bucketed broadcasts. The protocol's receiving h
 ``actors/transports/collective.py``; the backend contract is protos/transports.py.
 
 Store keys: ``backend``, ``join_seq`` (counter), ``join/<n>`` = actor name, ``join/<n>/sync`` =
-first sync it is in, ``sync/<s>`` = JSON {version, gen, members (``<name>#<n>``), backend},
+first sync it is in, ``sync/<s>`` = JSON {version, gen, members (``<name>#<n>``), backend, bucket_bytes},
 ``manifest/<version>``, ``ack/<s>/<name>#<n>`` = actor timings, ``left/<n>`` = member n stopped
 (dropped at the next sync). With ``nccl`` the buffer is staged once per sync on a CUDA device.
 """
@@ -28,10 +28,6 @@ if TYPE_CHECKING:
     from learner.publisher import VersionStore
 
 
-class CollectiveSyncError(WeightSyncError):
-    """A collective weight sync failed (a peer died or timed out); members must rejoin."""
-
-
 @dataclass
 class _Member:
     name: str
@@ -46,10 +42,12 @@ class _Member:
 class CollectiveSender:
     """Push backend: every publish broadcasts to all members; new members get the latest on ``catch_up``."""
 
+    name = "collective"
+
     def __init__(self, store: VersionStore, options: SenderOptions) -> None:
         self._versions = store
         self.host, self.timeout_s, self.bucket_bytes = options.host, options.timeout_s, options.bucket_bytes
-        self.backend, self.device = options.backend, options.device
+        self.backend, self.device = options.collective_backend, options.device
         self.members: list[_Member] = []
         self.generation = self.sync_index = self._seen_tickets = 0
         self._pg: object | None = None
@@ -60,7 +58,7 @@ class CollectiveSender:
         # config allows (loopback by default). The store owns the descriptor from here on.
         listener = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((self.host, options.port))
+        listener.bind((self.host, options.collective_port))
         listener.listen(128)
         self.port = listener.getsockname()[1]
         self.endpoint = f"{self.host}:{self.port}"
@@ -109,11 +107,12 @@ class CollectiveSender:
                 self.generation += 1
             self.store.set(f"manifest/{manifest.version}", manifest.to_json())  # before the record that names it
             self.store.set(f"sync/{s}", json.dumps({"version": manifest.version, "gen": self.generation,
-                                                    "members": names, "backend": self.backend}))
+                                                    "members": names, "backend": self.backend,
+                                                    "bucket_bytes": self.bucket_bytes}))
         return names
 
     def broadcast(self, buf: torch.Tensor, manifest: WeightManifest) -> dict[str, float]:
-        """Push ``buf`` to all members (blocking, bounded by ``timeout_s``). Raises CollectiveSyncError."""
+        """Push ``buf`` to all members (blocking, bounded by ``timeout_s``). Raises WeightSyncError."""
         names = self._start_sync(manifest)
         if not names:
             return {"weights/collective_members": 0.0}
@@ -132,11 +131,11 @@ class CollectiveSender:
         except Exception as exc:  # noqa: BLE001 - any gloo/NCCL failure means the group is unusable
             transports.abort(self._pg)
             self.members, self._pg, self._rebuild = [], None, True
-            raise CollectiveSyncError(
+            raise WeightSyncError(
                 f"collective weight sync of version {manifest.version} (generation {self.generation}, "
                 f"actors {names}) failed after {time.perf_counter() - t0:.1f} s "
                 f"(timeout {self.timeout_s} s): {exc}. A member died or stalled; all members must "
-                f"rejoin (actors do this automatically) — or use transport.weight_path=network.") from exc
+                f"rejoin (actors do this automatically) — or use weights.backend=side_channel.") from exc
         t2 = time.perf_counter()
         return {"weights/collective_members": float(len(names)), "time/collective_group_s": t1 - t0,
                 "time/collective_transfer_s": t2 - t1}

@@ -30,11 +30,13 @@ MAX_REQUEST_BYTES = 1 << 16
 class SideChannelSender:
     """Pull backend: ``publish`` has nothing to push; actors read ranges of any held version."""
 
+    name = "side_channel"
+
     def __init__(self, store: VersionStore, options: SenderOptions) -> None:
         self._store = store
         self._token = options.auth_token.encode()
         self._timeout_s = options.timeout_s
-        self._sock = socket.create_server((options.host, options.port), reuse_port=False)
+        self._sock = socket.create_server((options.host, options.side_channel_port), reuse_port=False)
         self._sock.settimeout(0.5)
         self.endpoint = f"{options.host}:{self._sock.getsockname()[1]}"
         self.counters = {"requests": 0, "bytes_sent": 0, "rejected": 0, "errors": 0}

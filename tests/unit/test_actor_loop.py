@@ -21,10 +21,10 @@ from dapo.config import DapoConfig
 from dapo.wire import decode_group, encode_group
 from protos import coordinator_pb2 as pb
 
-RUN = pb.RunParams(num_samples_per_prompt=2, max_response_tokens=6, max_staleness_steps=1, temperature=1.0,
-                   top_p=1.0, overlong_punishment=True, overlong_cache_tokens=2, prompts_per_lease=2,
-                   heartbeat_interval_s=0.05, heartbeat_timeout_s=5, max_message_bytes=1 << 20,
-                   weight_path="network", rpc_timeout_s=1.0, num_prompts_per_step=2)
+RUN = pb.RunParams(num_samples_per_prompt=2, max_response_tokens=6, temperature=1.0, top_p=1.0,
+                   overlong_punishment=True, overlong_cache_tokens=2, prompts_per_lease=2, heartbeat_interval_s=0.05,
+                   weight_backend="side_channel", rpc_timeout_s=1.0)
+K = 1  # the fake learner's staleness bound
 
 
 class FakeEngine(Engine):
@@ -62,13 +62,14 @@ class FakeClient:
         self.lease_script: list = []  # per Lease call: an exception or a LeaseResponse; then defaults
         self.registrations = 0
         self.published: int | None = None  # what a weight fetch returns (None: current_version)
+        self.run = RUN  # the run parameters Register answers with
 
     def call(self, method, request, timeout_s=None):
         self.calls.append((method, request))
         if method == "Register":
             self.registrations += 1
             return pb.RegisterResponse(actor_id=self.registrations, run_id=f"run{self.registrations}",
-                                       zmq_endpoint="tcp://fake", current_version=self.current_version, run=RUN)
+                                       zmq_endpoint="tcp://fake", current_version=self.current_version, run=self.run)
         if method == "Lease":
             if self.lease_script:
                 item = self.lease_script.pop(0)
@@ -76,7 +77,7 @@ class FakeClient:
                     raise item
                 self.current_version = max(self.current_version, item.latest_version)
                 return item
-            if request.weight_version < self.current_version - RUN.max_staleness_steps:  # the admission rule
+            if request.weight_version < self.current_version - K:  # the admission rule
                 return pb.LeaseResponse(denial=pb.LEASE_DENIAL_WEIGHTS_UNUSABLE, latest_version=self.current_version)
             leases = []
             for _ in range(min(request.num_prompts, self.leases_per_call)):
@@ -178,6 +179,55 @@ def test_announced_but_unpublished_version_is_waited_for_not_reloaded(make_actor
     assert engine.loaded == [0, 2]  # the initial load, then v2 once published; v0 never again
     assert client.named("Lease")[-1].weight_version == 2
     assert actor.metrics.stage_s["weight_wait"] > 0
+
+
+def run_params(**changes) -> pb.RunParams:
+    run = pb.RunParams()
+    run.CopyFrom(RUN)
+    for key, value in changes.items():
+        setattr(run, key, value)
+    return run
+
+
+class PushFollower:
+    """A push backend's receiver: ``take()`` answers from ``script`` (None once it is used up)."""
+
+    made: list = []
+    script: list = []
+
+    def __init__(self, learner_host, weights, name, timeout_s) -> None:
+        self.args, self.closed = (learner_host, weights.collective_port, timeout_s), False
+        PushFollower.made.append(self)
+
+    def take(self):
+        return PushFollower.script.pop(0) if PushFollower.script else None
+
+    def close(self):
+        self.closed = True
+
+
+def test_the_advertised_weight_backend_picks_the_receiver_and_a_pushed_version_is_not_fetched(make_actor,
+                                                                                               monkeypatch):
+    monkeypatch.setitem(loop_mod.RECEIVERS, "collective", PushFollower)
+    PushFollower.made, PushFollower.script = [], [None, (5, {"v": 5})]  # the initial load always fetches
+    client = FakeClient(current_version=3)
+    client.run = run_params(weight_backend="collective", rpc_timeout_s=7.0)
+    client.lease_script = [pb.LeaseResponse(denial=pb.LEASE_DENIAL_WEIGHTS_UNUSABLE, latest_version=5)]
+    actor, engine, fetched = make_actor(client)
+    engine.during_generate = actor.stop.set
+    assert actor.run() == 0
+    (follower,) = PushFollower.made
+    assert follower.args == ("fake", DapoConfig().weights.collective_port, 7.0)
+    assert engine.loaded == [3, 5] and fetched == [3]  # v5 came by broadcast, not over the network
+    assert actor.metrics.counters["weight_loads_collective"] == 1 and follower.closed
+
+
+def test_a_weight_backend_the_actor_lacks_is_a_clear_error(make_actor):
+    client = FakeClient()
+    client.run = run_params(weight_backend="carrier_pigeon")
+    actor, _, _ = make_actor(client)
+    with pytest.raises(ValueError, match="'carrier_pigeon', which this actor cannot receive .*side_channel"):
+        actor.run()
 
 
 def test_stop_during_generation_returns_leases_and_pushes_nothing(make_actor):

@@ -70,7 +70,9 @@ def test_default_is_dapo_and_overrides_apply_on_top_of_a_preset():
     ("actor.top_p=0", "actor.top_p"),
     ("actor.temperature=2.5", "actor.temperature"),  # vLLM's limit (the default engine)
     ("transport.grpc_port=70000", "transport.grpc_port"),
-    ("transport.collective_backend=mpi", "transport.collective_backend"),
+    ("weights.collective_backend=mpi", "weights.collective_backend"),
+    ("weights.chunk_bytes=100", "weights.chunk_bytes"),
+    ("weights.sync_timeout_s=0", "weights.sync_timeout_s"),
     ("transport.shutdown_drain_s=-1", "transport.shutdown_drain_s"),
     ("algorithm.eps_low=abc", "algorithm.eps_low"),  # wrong type
     ("learner.num_ranks=1.5", "learner.num_ranks"),
@@ -91,6 +93,17 @@ def test_errors_say_what_was_expected():
         load_config(["algorithm.eps_low=abc"])
     with pytest.raises(ConfigError, match="expected one of .*eps_high"):
         load_config(["+algorithm.eps_hihg=0.3"])
+
+
+def test_weight_backend_must_be_a_registered_one_and_the_old_weight_keys_are_gone():
+    with pytest.raises(ConfigError) as err:
+        load_config(["weights.backend=network"])
+    assert "`weights.backend` = 'network'" in str(err.value)
+    assert "side_channel, grpc_stream, collective" in str(err.value)  # what the registries hold
+    for old in ("transport.weight_path=collective", "learner.weight_sync_timeout_s=5", "+transport.weight_port=0"):
+        with pytest.raises(ConfigError, match=old.lstrip("+").split("=")[0]):
+            load_config([old])
+    assert load_config(["weights.backend=collective"]).weights.backend == "collective"
 
 
 def test_dynamic_sampling_needs_groups_of_two():

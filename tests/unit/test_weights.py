@@ -96,6 +96,7 @@ from actors.transports.collective import CollectiveWeightReceiver  # noqa: E402
 from actors.transports.network import NetworkWeightClient  # noqa: E402
 from actors.transports.side_channel import SideChannelClient  # noqa: E402
 from learner.publisher import WeightPublisher  # noqa: E402
+from learner.transports import SenderOptions  # noqa: E402
 
 TOKEN = "t0k"
 
@@ -155,9 +156,8 @@ class CorruptingProxy:
             dst.sendall(data)
 
 
-def _publisher(**kw):
-    return WeightPublisher(host="127.0.0.1", side_channel_port=0, auth_token=TOKEN, chunk_bytes=256,
-                           timeout_s=10.0, **kw)
+def _publisher(backend: str = "side_channel", **kw):
+    return WeightPublisher(backend, SenderOptions("127.0.0.1", TOKEN, timeout_s=10.0, **kw), chunk_bytes=256)
 
 
 def test_network_path_verifies_and_refetches_a_corrupted_chunk():
@@ -165,8 +165,8 @@ def test_network_path_verifies_and_refetches_a_corrupted_chunk():
     sd = _state_dict()
     pub.publish(sd, version=1)
     server, target = _grpc_server(pub)
-    proxy = CorruptingProxy(pub.server.endpoint, flip_at=300)
-    pub.server.endpoint = proxy.endpoint  # announce the proxy: the client's bytes pass through it
+    proxy = CorruptingProxy(pub.senders["side_channel"].endpoint, flip_at=300)
+    pub.senders["side_channel"].endpoint = proxy.endpoint  # announce the proxy: the client's bytes pass through it
     client = NetworkWeightClient(target, TOKEN, timeout_s=10.0)
     try:
         version, out, stats = client.receive()
@@ -189,17 +189,17 @@ def test_side_channel_rejects_bad_token_and_unknown_version():
     try:
         dst = memoryview(bytearray(64))
         with pytest.raises(WeightFetchError, match="closed"):
-            SideChannelClient(pub.server.endpoint, "wrong", 5.0).read_into(dst, 5, 0)
+            SideChannelClient(pub.senders["side_channel"].endpoint, "wrong", 5.0).read_into(dst, 5, 0)
         with pytest.raises(WeightFetchError, match="closed"):
-            SideChannelClient(pub.server.endpoint, TOKEN, 5.0).read_into(dst, 4, 0)
-        SideChannelClient(pub.server.endpoint, TOKEN, 5.0).read_into(dst, 5, 0)
-        assert pub.server.counters["rejected"] == 2
+            SideChannelClient(pub.senders["side_channel"].endpoint, TOKEN, 5.0).read_into(dst, 4, 0)
+        SideChannelClient(pub.senders["side_channel"].endpoint, TOKEN, 5.0).read_into(dst, 5, 0)
+        assert pub.senders["side_channel"].counters["rejected"] == 2
     finally:
         pub.close()
 
 
 def test_collective_path_two_versions_and_corruption_repair():
-    pub = _publisher(collective_port=0, bucket_bytes=200)
+    pub = _publisher("collective", bucket_bytes=200)
     sd = _state_dict()
     corrupt = {"left": 1}
 
@@ -208,14 +208,14 @@ def test_collective_path_two_versions_and_corruption_repair():
             buf[130] ^= 0x10
             corrupt["left"] -= 1
 
-    port = pub.collective.port
+    port = pub.senders["collective"].port
     results, errors = [], []
 
     def actor():
         try:
-            side = SideChannelClient(pub.server.endpoint, TOKEN, 10.0)
-            rx = CollectiveWeightReceiver("127.0.0.1", port, "actor-a", timeout_s=10.0, bucket_bytes=200,
-                                          repair_read=side.read_into, after_receive=flip)
+            side = SideChannelClient(pub.senders["side_channel"].endpoint, TOKEN, 10.0)
+            rx = CollectiveWeightReceiver("127.0.0.1", port, "actor-a", timeout_s=10.0, repair_read=side.read_into,
+                                          after_receive=flip)
             for _ in range(2):
                 v, out, stats = rx.receive()
                 results.append((v, {k: t.clone() for k, t in out.items()}, stats))
@@ -248,12 +248,12 @@ def test_collective_path_two_versions_and_corruption_repair():
 def test_collective_new_member_gets_the_latest_version_without_a_new_publish():
     import time
 
-    pub = _publisher(collective_port=0, bucket_bytes=1 << 20)
+    pub = _publisher("collective", bucket_bytes=1 << 20)
     sd = _state_dict()
     pub.publish(sd, version=7)  # nobody has joined yet
     got = []
     th = threading.Thread(target=lambda: got.append(CollectiveWeightReceiver(
-        "127.0.0.1", pub.collective.port, "late", timeout_s=10.0).receive()))
+        "127.0.0.1", pub.senders["collective"].port, "late", timeout_s=10.0).receive()))
     th.start()
     try:
         deadline = time.monotonic() + 20
@@ -276,19 +276,17 @@ def test_collective_backend_resolution_and_clear_errors():
     assert resolve_backend("auto", cpu) == "gloo" and resolve_backend("gloo", cpu) == "gloo"
     with pytest.raises(ValueError, match="collective_backend=gloo or auto"):
         resolve_backend("nccl", cpu)
-    with pytest.raises(ValueError, match="expected one of auto, gloo, nccl"):
-        resolve_backend("mpi", cpu)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal of a CPU-only actor")
 def test_cpu_actor_refuses_an_nccl_group_before_joining_and_the_group_keeps_working():
     from actors.transports.collective import CollectiveUnsupported
 
-    pub = _publisher(collective_port=0, collective_backend="nccl")  # the store only: no NCCL call yet
+    pub = _publisher("collective", collective_backend="nccl")  # the store only: no NCCL call yet
     try:
-        with pytest.raises(CollectiveUnsupported, match="weight_path=network"):
-            CollectiveWeightReceiver("127.0.0.1", pub.collective.port, "cpu-actor", timeout_s=10.0)
-        assert pub.collective.store.add("join_seq", 0) == 0  # never joined: no sync waits for it
+        with pytest.raises(CollectiveUnsupported, match="weights.backend=side_channel"):
+            CollectiveWeightReceiver("127.0.0.1", pub.senders["collective"].port, "cpu-actor", timeout_s=10.0)
+        assert pub.senders["collective"].store.add("join_seq", 0) == 0  # never joined: no sync waits for it
         m = pub.publish(_state_dict(), version=1)
         assert m["weights/collective_members"] == 0.0 and "weights/collective_error" not in m
     finally:
@@ -296,10 +294,10 @@ def test_cpu_actor_refuses_an_nccl_group_before_joining_and_the_group_keeps_work
 
 
 def test_a_member_that_leaves_is_dropped_without_failing_the_next_sync():
-    pub = _publisher(collective_port=0, bucket_bytes=1 << 20)
+    pub = _publisher("collective", bucket_bytes=1 << 20)
     sd = _state_dict()
-    stays = CollectiveWeightReceiver("127.0.0.1", pub.collective.port, "stays", timeout_s=10.0)
-    goes = CollectiveWeightReceiver("127.0.0.1", pub.collective.port, "goes", timeout_s=10.0)
+    stays = CollectiveWeightReceiver("127.0.0.1", pub.senders["collective"].port, "stays", timeout_s=10.0)
+    goes = CollectiveWeightReceiver("127.0.0.1", pub.senders["collective"].port, "goes", timeout_s=10.0)
     got = {"stays": [], "goes": []}
 
     def receive(rx, n):
@@ -324,9 +322,10 @@ def test_a_member_that_leaves_is_dropped_without_failing_the_next_sync():
 
 
 def test_two_actors_with_the_same_name_are_two_members():
-    pub = _publisher(collective_port=0, bucket_bytes=1 << 20)
+    pub = _publisher("collective", bucket_bytes=1 << 20)
     sd = _state_dict()
-    twins = [CollectiveWeightReceiver("127.0.0.1", pub.collective.port, "twin", timeout_s=10.0) for _ in range(2)]
+    port = pub.senders["collective"].port
+    twins = [CollectiveWeightReceiver("127.0.0.1", port, "twin", timeout_s=10.0) for _ in range(2)]
     got = [[], []]
     threads = [threading.Thread(target=lambda i=i: got[i].append(twins[i].receive())) for i in range(2)]
     for th in threads:
@@ -339,7 +338,7 @@ def test_two_actors_with_the_same_name_are_two_members():
             th.join(10)
         assert [g[0][0] for g in got] == [3, 3]
         assert all(torch.equal(g[0][1][k], sd[k]) for g in got for k in sd)
-        assert sorted(pub.collective.acks(0)) == ["twin#1", "twin#2"]
+        assert sorted(pub.senders["collective"].acks(0)) == ["twin#1", "twin#2"]
     finally:
         pub.close()
 
@@ -347,6 +346,30 @@ def test_two_actors_with_the_same_name_are_two_members():
 # ---------------------------------------------------------------- one interface test for every backend
 
 BACKENDS = ("side_channel", "grpc_stream", "collective")  # all that run on CPU (NCCL: bench/gpu_check.py)
+
+
+def test_every_backend_has_a_sender_a_receiver_a_config_name_and_this_interface_test():
+    from actors.transports import RECEIVERS
+    from dapo.config import WEIGHT_BACKENDS
+    from learner.transports import SENDERS
+
+    assert set(SENDERS) == set(RECEIVERS) == set(WEIGHT_BACKENDS) == set(BACKENDS)
+
+
+@pytest.mark.parametrize("backend,senders", [("side_channel", ["side_channel"]), ("grpc_stream", []),
+                                             ("collective", ["side_channel", "collective"])])
+def test_the_publisher_runs_its_backends_senders_and_announces_a_side_channel_only_where_one_runs(backend, senders):
+    pub = _publisher(backend)
+    try:
+        assert list(pub.senders) == senders
+        pub.publish(_state_dict(), version=1)
+        announced = pub.info().side_channel_endpoint
+        if "side_channel" in senders:
+            assert announced == pub.senders["side_channel"].endpoint and announced.startswith("127.0.0.1:")
+        else:  # actors read the FetchWeights stream
+            assert announced == ""
+    finally:
+        pub.close()
 
 
 class _Announce:
@@ -371,14 +394,14 @@ class _Announce:
 @contextmanager
 def _pair(backend: str, timeout_s: float = 10.0, *, dead: bool = False):
     """(publisher, receiver) of one backend; ``dead``: the peer the receiver reads from never answers."""
-    pub = _publisher(**({"collective_port": 0, "bucket_bytes": 200} if backend == "collective" else {}))
+    pub = _publisher(backend, **({"bucket_bytes": 200} if backend == "collective" else {}))
     silent = socket.create_server(("127.0.0.1", 0))  # accepts connections (backlog), never answers
     servers, closers = [], [pub.close, silent.close]
     try:
         if backend == "collective":
-            rx = CollectiveWeightReceiver("127.0.0.1", pub.collective.port, "a", timeout_s=timeout_s, bucket_bytes=200)
+            rx = CollectiveWeightReceiver("127.0.0.1", pub.senders["collective"].port, "a", timeout_s=timeout_s)
         else:
-            endpoint = (f"127.0.0.1:{silent.getsockname()[1]}" if dead else pub.server.endpoint) \
+            endpoint = (f"127.0.0.1:{silent.getsockname()[1]}" if dead else pub.senders["side_channel"].endpoint) \
                 if backend == "side_channel" else ""
             source = _Announce(pub, endpoint, stall_reads=dead)
             servers.append(_grpc_server(source))
