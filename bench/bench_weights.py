@@ -99,13 +99,13 @@ def run_raw(sd: dict[str, torch.Tensor], reps: int) -> list[float]:
 
 def run_network(sd: dict[str, torch.Tensor], reps: int, tmp: Path) -> tuple[list[float], list[float]]:
     from learner.publisher import WeightPublisher
+    from learner.transports import SenderOptions
 
-    pub = WeightPublisher(host="127.0.0.1", side_channel_port=0, auth_token=TOKEN, chunk_bytes=4 << 20,
-                          timeout_s=60.0)
+    pub = WeightPublisher("side_channel", SenderOptions("127.0.0.1", TOKEN, timeout_s=60.0), chunk_bytes=4 << 20)
     pub.publish(sd, version=1)
     man_path = tmp / "manifest.json"
     man_path.write_bytes(pub.store.latest().to_json())
-    proc = _actor("network", int(pub.server.endpoint.rpartition(":")[2]), 0, reps, str(man_path))
+    proc = _actor("network", int(pub.senders["side_channel"].endpoint.rpartition(":")[2]), 0, reps, str(man_path))
     rows = [json.loads(line) for line in proc.stdout]
     proc.wait(60)
     pub.close()
@@ -114,10 +114,11 @@ def run_network(sd: dict[str, torch.Tensor], reps: int, tmp: Path) -> tuple[list
 
 def run_collective(sd: dict[str, torch.Tensor], reps: int) -> tuple[list[float], list[float], list[float]]:
     from learner.publisher import WeightPublisher
+    from learner.transports import SenderOptions
 
-    pub = WeightPublisher(host="127.0.0.1", side_channel_port=0, auth_token=TOKEN, chunk_bytes=4 << 20,
-                          timeout_s=120.0, collective_port=0, bucket_bytes=64 << 20)
-    proc = _actor("collective", pub.collective.port, 0, reps)
+    pub = WeightPublisher("collective", SenderOptions("127.0.0.1", TOKEN, timeout_s=120.0, bucket_bytes=64 << 20),
+                          chunk_bytes=4 << 20)
+    proc = _actor("collective", pub.senders["collective"].port, 0, reps)
     version, times, serialise = 0, [], []
     while len(times) < reps + 1:  # the first push also builds the group: not timed
         version += 1

@@ -230,6 +230,7 @@ def check_learner_step(device: torch.device, small: bool) -> dict:
 def check_publish(device: torch.device, small: bool) -> dict:
     from learner.publisher import WeightPublisher
     from learner.trainer import Trainer
+    from learner.transports import SenderOptions
 
     model = qwen2(small)
     params = sum(p.numel() for p in model.parameters())
@@ -238,13 +239,13 @@ def check_publish(device: torch.device, small: bool) -> dict:
     sd = trainer.full_state_dict()
     t1 = time.perf_counter()
     # auth_token: the one bench_weights.py's actor presents
-    pub = WeightPublisher(host="127.0.0.1", side_channel_port=0, auth_token="bench", chunk_bytes=4 << 20,
-                          timeout_s=120.0, dtype=torch.bfloat16)
+    pub = WeightPublisher("side_channel", SenderOptions("127.0.0.1", "bench", timeout_s=120.0), chunk_bytes=4 << 20,
+                          dtype=torch.bfloat16)
     timings = pub.publish(sd, version=1)
     with tempfile.TemporaryDirectory() as tmp:
         man = Path(tmp) / "manifest.json"
         man.write_bytes(pub.store.latest().to_json())
-        port = pub.server.endpoint.rpartition(":")[2]
+        port = pub.senders["side_channel"].endpoint.rpartition(":")[2]
         # The actor side: a separate process reads the whole buffer over TCP and verifies every chunk.
         res = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_weights.py"), "--actor", "network",
                               "--port", port, "--manifest", str(man), "--reps", "2"],
@@ -264,6 +265,7 @@ def check_collective(device: torch.device, small: bool) -> dict:
     from actors.transports.collective import CollectiveWeightReceiver
     from learner.publisher import WeightPublisher
     from protos.transports import resolve_backend
+    from learner.transports import SenderOptions
 
     backend = resolve_backend("auto", device)
     if backend == "nccl" and torch.cuda.device_count() < 2:
@@ -271,14 +273,14 @@ def check_collective(device: torch.device, small: bool) -> dict:
                 "skipped": f"NCCL needs a second GPU for the actor ({torch.cuda.device_count()} visible)"}
     peer = torch.device("cuda", (device.index or 0) + 1) if backend == "nccl" else None
     sd = {k: v.to(torch.bfloat16) for k, v in qwen2(small).state_dict().items()}
-    pub = WeightPublisher(host="127.0.0.1", side_channel_port=0, auth_token="gpu-check", chunk_bytes=4 << 20,
-                          timeout_s=120.0, collective_port=0, collective_backend=backend, device=device)
+    options = SenderOptions("127.0.0.1", "gpu-check", timeout_s=120.0, collective_backend=backend, device=device)
+    pub = WeightPublisher("collective", options, chunk_bytes=4 << 20)
     got, errors = [], []
 
     def actor() -> None:
         try:
-            rx = CollectiveWeightReceiver("127.0.0.1", pub.collective.port, "gpu-check-actor", timeout_s=120.0,
-                                          cuda_device=peer)
+            rx = CollectiveWeightReceiver("127.0.0.1", pub.senders["collective"].port, "gpu-check-actor",
+                                          timeout_s=120.0, cuda_device=peer)
             for _ in range(2):  # the join sync, then a timed one
                 v, out, stats = rx.receive()
                 got.append((v, {k: t.clone() for k, t in out.items()}, stats))

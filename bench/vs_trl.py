@@ -201,7 +201,7 @@ def run_dapo(seed: int, work: Path, extra: list[str]) -> dict:
     argv = [str(ROOT / ".venv" / "bin" / "dapo"), "run", f"run.run_dir={run_dir}", "run.stop_at_target=true",
             f"learner.eval_every_steps={EVAL_EVERY_BATCHES}", f"learner.seed={seed}", f"actor.seed={seed}",
             f"run.cache_dir={ROOT / '.cache' / 'dapo'}", "transport.grpc_port=0", "transport.zmq_port=0",
-            "transport.weight_port=0", "transport.collective_port=0", *extra]
+            "weights.side_channel_port=0", "weights.collective_port=0", *extra]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     t0 = time.time()
     proc = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)

@@ -27,10 +27,11 @@ def publisher() -> None:
     import torch
 
     from learner.publisher import WeightPublisher
+    from learner.transports import SenderOptions
 
-    pub = WeightPublisher(host="127.0.0.1", side_channel_port=0, auth_token="t", chunk_bytes=1 << 16,
-                          timeout_s=5.0, collective_port=0, bucket_bytes=1 << 16)
-    print(pub.collective.port, flush=True)
+    pub = WeightPublisher("collective", SenderOptions("127.0.0.1", "t", timeout_s=5.0, bucket_bytes=1 << 16),
+                          chunk_bytes=1 << 16)
+    print(pub.senders["collective"].port, flush=True)
     state = {"w": torch.arange(1 << 16, dtype=torch.float32)}
     version = 0
     while True:

@@ -188,11 +188,11 @@ def test_which_binds_need_a_token_of_their_own(host, token, refused) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("host", ["0.0.0.0", "::"])
 def test_public_bind_with_the_default_token_is_refused_before_anything_starts(tmp_path, host) -> None:
-    grpc_port, zmq_port, weight_port = free_ports(3)
+    grpc_port, zmq_port, side_channel_port = free_ports(3)
     run_dir = tmp_path / "run"
     out = subprocess.run([sys.executable, "-m", "dapo.cli", "learner", f"transport.host={host}",
                           f"transport.grpc_port={grpc_port}", f"transport.zmq_port={zmq_port}",
-                          f"transport.weight_port={weight_port}", f"run.run_dir={run_dir}"],
+                          f"weights.side_channel_port={side_channel_port}", f"run.run_dir={run_dir}"],
                          cwd=ROOT, capture_output=True, text=True, timeout=100)
     assert out.returncode == 2, out.stdout + out.stderr
     # Refused by `dapo learner` itself (not by a rank after torchrun started), saying what to do.

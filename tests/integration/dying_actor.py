@@ -17,7 +17,7 @@ from actors.transports.collective import CollectiveWeightReceiver  # noqa: E402
 from dapo.weights import WeightManifest  # noqa: E402
 
 port, bucket = int(sys.argv[1]), int(sys.argv[2])
-rx = CollectiveWeightReceiver("127.0.0.1", port, "doomed", timeout_s=30.0, bucket_bytes=bucket)
+rx = CollectiveWeightReceiver("127.0.0.1", port, "doomed", timeout_s=30.0)  # buckets: the learner's size
 rx.receive()  # first sync completes normally
 print("synced", flush=True)
 key = f"sync/{rx._sync}"

@@ -58,6 +58,7 @@ def main() -> int:
     from dapo.tiny import resolve_model_path
     from learner.coordinator import Coordinator
     from learner.publisher import WeightPublisher
+    from learner.transports import SenderOptions
     from learner.replay import ReplayQueue
     from learner.grpc_server import CoordinatorServer
 
@@ -82,9 +83,9 @@ def main() -> int:
 
     coordinator = AuditedCoordinator.from_config(cfg, TaskSource(AutoTokenizer.from_pretrained(path), NUM_PROMPTS))
     t = cfg.transport
-    publisher = WeightPublisher(host=t.host, side_channel_port=t.weight_port, auth_token=t.auth_token,
-                                chunk_bytes=t.weight_chunk_bytes, timeout_s=t.rpc_timeout_s,
-                                collective_port=t.collective_port if t.weight_path == "collective" else None)
+    w = cfg.weights
+    publisher = WeightPublisher(w.backend, SenderOptions(t.host, t.auth_token, t.rpc_timeout_s, w.side_channel_port,
+                                                         w.collective_port), chunk_bytes=w.chunk_bytes)
     publisher.publish(state, 0)
     queue = ReplayQueue(cfg, coordinator, vocab_size=AutoConfig.from_pretrained(path).get_text_config().vocab_size)
     server = CoordinatorServer(cfg, coordinator, zmq_endpoint=queue.start(), queue=queue, weight_source=publisher)

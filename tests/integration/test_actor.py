@@ -45,10 +45,10 @@ class Cluster:
 
     def __init__(self, tmp: Path, model_path: str, **overrides: object) -> None:
         self.tmp = tmp
-        self.grpc_port, zmq_port, weight_port, collective_port = free_ports(4)
+        self.grpc_port, zmq_port, side_channel_port, collective_port = free_ports(4)
         settings = {"model.path": model_path, "transport.grpc_port": self.grpc_port,
-                    "transport.zmq_port": zmq_port, "transport.weight_port": weight_port,
-                    "transport.collective_port": collective_port,
+                    "transport.zmq_port": zmq_port, "weights.side_channel_port": side_channel_port,
+                    "weights.collective_port": collective_port,
                     "transport.auth_token": TOKEN, "transport.rpc_timeout_s": 3,
                     "transport.heartbeat_timeout_s": 60, "algorithm.num_prompts_per_step": 2,
                     "algorithm.num_samples_per_prompt": 4, "algorithm.dynamic_sampling": "false",
@@ -137,7 +137,7 @@ def log_has(path: Path, text: str) -> bool:
 @pytest.mark.timeout(240)
 def test_vllm_actor_started_before_learner_joins_follows_weights_and_leaves_on_sigterm(cluster):
     # Weights over the collective path (gloo broadcast; the network path stays the fallback).
-    c = cluster(**{"actor.engine": "vllm", "transport.weight_path": "collective"})
+    c = cluster(**{"actor.engine": "vllm", "weights.backend": "collective"})
     actor, log = c.start_actor("actor")
     wait_for("the actor waiting for its learner", lambda: log_has(log, "waiting for the learner"), 120, [actor])
     _, groups_file = c.start_learner("learner")

@@ -43,7 +43,7 @@ def model_path() -> str:
 def common(model: str, run_dir: Path) -> list[str]:
     """Small steps so that a few dozen happen in seconds; every port picked by the learner."""
     return [f"model.path={model}", f"run.run_dir={run_dir}", "transport.grpc_port=0", "transport.zmq_port=0",
-            "transport.weight_port=0", "transport.collective_port=0", "algorithm.num_prompts_per_step=2",
+            "weights.side_channel_port=0", "weights.collective_port=0", "algorithm.num_prompts_per_step=2",
             "algorithm.num_samples_per_prompt=4", "algorithm.dynamic_sampling=false", "learner.eval_every_steps=0",
             "learner.total_steps=0", "actor.prompts_per_lease=2", "data.builtin_num_train_prompts=2000"]
 
