@@ -126,25 +126,18 @@ def strip_instructions(content: str) -> str:
     return text.strip()
 
 
-def dapo_messages(messages: list[dict[str, str]]) -> list[dict[str, str]]:
-    """``messages`` with the last user message wrapped in the DAPO template."""
-    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
-    if last_user is None:
-        raise ValueError(f"prompt has no user message to wrap in the DAPO template: {messages!r:.200}")
-    out = [dict(m) for m in messages]
-    out[last_user]["content"] = DAPO_PREFIX + strip_instructions(messages[last_user]["content"]) + DAPO_SUFFIX
-    return out
-
-
 def render_prompt(row: dict[str, Any], tokenizer: Any, template: str) -> str:
     """The prompt text of ``row`` under ``template`` (see the module docstring)."""
     if template not in TEMPLATES:
         raise ValueError(f"prompt template {template!r} is unknown: expected one of {TEMPLATES}.")
-    messages = [{"role": m["role"], "content": m["content"]} for m in row["prompt"]]
+    messages = [{"role": m["role"], "content": m["content"]} for m in row["prompt"]]  # a copy: edited below
     if template == "raw":
         return "\n\n".join(m["content"] for m in messages)
-    if template == "dapo":
-        messages = dapo_messages(messages)
+    if template == "dapo":  # the last user message wrapped in the DAPO template
+        last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+        if last_user is None:
+            raise ValueError(f"prompt has no user message to wrap in the DAPO template: {messages!r:.200}")
+        messages[last_user]["content"] = DAPO_PREFIX + strip_instructions(messages[last_user]["content"]) + DAPO_SUFFIX
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("the tokenizer has no chat template: set data.prompt_template=raw, or use a "
                          "model folder whose tokenizer_config/chat_template.jinja defines one.")

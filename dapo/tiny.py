@@ -180,11 +180,6 @@ def _sft_batch(tokenizer: Any, problems: list[tuple[int, int]], rng: random.Rand
     return ids, attn, loss_mask
 
 
-def _lr_at(step: int, steps: int, lr: float) -> float:
-    """Linear warm-up, then cosine decay to 0 at the end of the phase."""
-    return lr * min(1.0, (step + 1) / RECIPE["sft_warmup_steps"]) * 0.5 * (1 + math.cos(math.pi * step / steps))
-
-
 def _train_phase(model: Any, tokenizer: Any, problems: Any, rng: random.Random, phase: dict[str, Any],
                  steps: int, lr: float, bar: Any) -> list[float]:
     import torch
@@ -193,8 +188,10 @@ def _train_phase(model: Any, tokenizer: Any, problems: Any, rng: random.Random, 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
     losses = []
     for step in range(steps):
+        # A linear warm-up, then a cosine decay to 0 at the end of the phase.
+        step_lr = lr * min(1.0, (step + 1) / RECIPE["sft_warmup_steps"]) * 0.5 * (1 + math.cos(math.pi * step / steps))
         for group in opt.param_groups:
-            group["lr"] = _lr_at(step, steps, lr)
+            group["lr"] = step_lr
         ids, attn, mask = _sft_batch(tokenizer, [next(problems) for _ in range(RECIPE["sft_batch_size"])], rng, phase)
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
         nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
