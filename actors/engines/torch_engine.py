@@ -60,8 +60,7 @@ class TorchEngine(Engine):
             mask[i, longest - len(s):] = 1
         gen = torch.Generator().manual_seed(seed)
         cache = DynamicCache()
-        out_ids = torch.empty((len(rows), 0), dtype=torch.long)
-        out_lps = torch.empty((len(rows), 0), dtype=torch.float32)
+        out_ids, out_lps = [], []  # per step: the sampled token of each row, its log-prob
         stopped = torch.zeros(len(rows), dtype=torch.bool)
         step_ids, positions = ids, (mask.cumsum(-1) - 1).clamp(min=0)
         for _ in range(max_tokens):
@@ -69,9 +68,8 @@ class TorchEngine(Engine):
                                 past_key_values=cache, use_cache=True).logits[:, -1]
             logp = nucleus_logprobs(logits, temperature, top_p)
             token = torch.multinomial(logp.exp(), 1, generator=gen).squeeze(1)
-            token_lp = logp.gather(1, token[:, None]).squeeze(1)
-            out_ids = torch.cat([out_ids, token[:, None]], dim=1)
-            out_lps = torch.cat([out_lps, token_lp[:, None]], dim=1)
+            out_ids.append(token)
+            out_lps.append(logp.gather(1, token[:, None]).squeeze(1))
             stopped |= torch.isin(token, self._stop_ids)
             if bool(stopped.all()):
                 break
@@ -79,8 +77,7 @@ class TorchEngine(Engine):
             positions = positions[:, -1:] + 1
             mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
         result = []
-        for i in range(len(rows)):
-            toks, lps = out_ids[i].tolist(), out_lps[i].tolist()
+        for i, (toks, lps) in enumerate(zip(torch.stack(out_ids, 1).tolist(), torch.stack(out_lps, 1).tolist())):
             if stopped[i]:  # cut after the first stop token (rows keep decoding in the batch)
                 end = next(j for j, t in enumerate(toks) if t in self._stop_ids.tolist()) + 1
                 toks, lps = toks[:end], lps[:end]
