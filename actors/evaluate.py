@@ -356,7 +356,6 @@ def build_report(args: argparse.Namespace, inputs: EvalInputs, results: list[Pro
     """The JSON report: settings, ``overall`` and ``by_data_source`` metrics (``summarize``),
     skipped prompts, verifier counts, timings and one ``per_prompt`` entry per prompt."""
     sources = sorted({r.data_source for r in results})
-    total_tokens = sum(n for r in results for n in r.length_tokens)
     return {
         "model": args.model, "model_path": str(inputs.model_path.resolve()), "data": args.data,
         "k": args.k, "temperature": args.temperature, "top_p": args.top_p,
@@ -367,7 +366,7 @@ def build_report(args: argparse.Namespace, inputs: EvalInputs, results: list[Pro
         "skipped_prompt_ids": inputs.skipped_prompt_ids,
         "verifier": verifier_counts,
         "time_s": {key: round(value, 3) for key, value in time_s.items()},
-        "throughput_tokens_per_s": total_tokens / max(time_s["generate"], 1e-9),
+        "throughput_tokens_per_s": sum(sum(r.length_tokens) for r in results) / max(time_s["generate"], 1e-9),
         # responses is None unless --save-responses
         "per_prompt": [{**{k: v for k, v in asdict(r).items() if v is not None}, "num_correct": sum(r.acc)}
                        for r in results],
