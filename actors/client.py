@@ -208,8 +208,7 @@ class GroupPusher:
     def __init__(self, endpoint: str, *, send_timeout_s: float, send_hwm_messages: int = 64,
                  curve_server_public_key: str = "") -> None:
         self.endpoint = endpoint
-        self._ctx = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.PUSH)
+        self._sock = zmq.Context.instance().socket(zmq.PUSH)
         self._sock.setsockopt(zmq.SNDHWM, send_hwm_messages)
         self._sock.setsockopt(zmq.SNDTIMEO, int(send_timeout_s * 1000))
         # Unsent groups at close belong to leases the coordinator re-issues; never block exit.
