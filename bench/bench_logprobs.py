@@ -42,7 +42,7 @@ def child(args: argparse.Namespace) -> dict:
     import torch.distributed as dist
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from dapo.config import AlgorithmConfig
+    from dapo.config import AlgorithmConfig, LearnerConfig
     from learner.batch import SampleBatch, shard_local
     from learner.trainer import Trainer, TrainerSettings
 
@@ -69,9 +69,10 @@ def child(args: argparse.Namespace) -> dict:
                         torch.randn(n, generator=g))
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=0, world_size=1)
-        settings = TrainerSettings(lr=1e-6, weight_decay=0.0, warmup_steps=0, grad_clip=1.0, temperature=1.0,
-                                   token_sum_norm=float(args.seq_len),
-                                   algorithm=AlgorithmConfig(prox_logp="bypass"), logprob_chunk_tokens=args.chunk)
+        settings = TrainerSettings(LearnerConfig(lr=1e-6, weight_decay=0.0, warmup_steps=0, grad_clip=1.0,
+                                                 logprob_chunk_tokens=args.chunk),
+                                   AlgorithmConfig(prox_logp="bypass"), temperature=1.0,
+                                   token_sum_norm=float(args.seq_len))
         trainer = Trainer(model, settings, torch.device("cpu"))
         shard = shard_local(batch, num_minibatches=1, world_size=1, rank=0, max_tokens_per_microbatch=args.tokens)
         assert shard.num_microbatches == 1

@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from dapo.algorithm import policy_loss  # noqa: E402
-from dapo.config import AlgorithmConfig  # noqa: E402
+from dapo.config import AlgorithmConfig, LearnerConfig  # noqa: E402
 from learner.batch import SampleBatch, shard_local  # noqa: E402
 from learner.trainer import Trainer, TrainerSettings  # noqa: E402
 
@@ -95,8 +95,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=0, world_size=1)
         model = build_model(build_tokenizer(), seed=0)
-        settings = TrainerSettings(lr=1e-4, weight_decay=0.0, warmup_steps=0, grad_clip=1.0, temperature=1.0,
-                                   token_sum_norm=1.0, algorithm=AlgorithmConfig(prox_logp="bypass"))
+        settings = TrainerSettings(LearnerConfig(lr=1e-4, weight_decay=0.0, warmup_steps=0, grad_clip=1.0),
+                                   AlgorithmConfig(prox_logp="bypass"), temperature=1.0, token_sum_norm=1.0)
         trainer = Trainer(model, settings, torch.device("cpu"))
         batch = make_batch(args.seqs, args.min_len, args.max_len, model.config.vocab_size)
         real = int(batch.seq_lens.sum())

@@ -58,11 +58,11 @@ def qwen2(small: bool, seed: int = 0):
 
 
 def settings(dtype: torch.dtype):
-    from dapo.config import AlgorithmConfig
+    from dapo.config import AlgorithmConfig, LearnerConfig
     from learner.trainer import TrainerSettings
 
-    return TrainerSettings(lr=1e-5, weight_decay=0.0, warmup_steps=0, grad_clip=1.0, temperature=1.0,
-                           token_sum_norm=64.0, algorithm=AlgorithmConfig(prox_logp="bypass"), param_dtype=dtype)
+    return TrainerSettings(LearnerConfig(lr=1e-5, weight_decay=0.0, warmup_steps=0, grad_clip=1.0),
+                           AlgorithmConfig(prox_logp="bypass"), temperature=1.0, token_sum_norm=64.0, param_dtype=dtype)
 
 
 def check_exactness(device: torch.device, small: bool) -> dict:
@@ -122,7 +122,7 @@ def check_bf16_step(device: torch.device, small: bool) -> dict:
             "grad_norm": m["train/grad_norm"], "ok": all(map(lambda v: v == v and abs(v) < 1e6, m.values()))}
 
 
-LEARNER_VARIANTS = {  # name: TrainerSettings overrides
+LEARNER_VARIANTS = {  # name: LearnerConfig overrides
     "unchunked": dict(logprob_chunk_tokens=0),
     "chunked": dict(logprob_chunk_tokens=1024),
     "chunked_ac": dict(logprob_chunk_tokens=1024, activation_checkpointing=True),
@@ -151,8 +151,9 @@ def _learner_variant(device: torch.device, cfg, batch, overrides: dict) -> dict:
     torch.manual_seed(0)
     with torch.device(device):
         model = Qwen2ForCausalLM(cfg).float()
-    st = dataclasses.replace(settings(torch.bfloat16), algorithm=AlgorithmConfig(prox_logp="recompute"),
-                             **overrides)
+    st = settings(torch.bfloat16)
+    st = dataclasses.replace(st, algorithm=AlgorithmConfig(prox_logp="recompute"),
+                             learner=dataclasses.replace(st.learner, **overrides))
     trainer = Trainer(model, st, device)
     shard = shard_local(batch, num_minibatches=1, world_size=1, rank=0,
                         max_tokens_per_microbatch=int(batch.seq_lens.sum()))
@@ -229,8 +230,8 @@ def check_learner_step(device: torch.device, small: bool) -> dict:
 
 def check_publish(device: torch.device, small: bool) -> dict:
     from learner.publisher import WeightPublisher
-    from learner.trainer import Trainer
     from learner.transports import SenderOptions
+    from learner.trainer import Trainer
 
     model = qwen2(small)
     params = sum(p.numel() for p in model.parameters())
@@ -264,8 +265,8 @@ def check_collective(device: torch.device, small: bool) -> dict:
 
     from actors.transports.collective import CollectiveWeightReceiver
     from learner.publisher import WeightPublisher
-    from protos.transports import resolve_backend
     from learner.transports import SenderOptions
+    from protos.transports import resolve_backend
 
     backend = resolve_backend("auto", device)
     if backend == "nccl" and torch.cuda.device_count() < 2:

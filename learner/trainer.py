@@ -46,33 +46,22 @@ _SUMS = ("loss", "tokens", "entropy", "clipfrac_high", "clipfrac_low", "dualclip
 class TrainerSettings:
     """What the trainer needs from the config (so tests can build one without a DapoConfig)."""
 
-    lr: float
-    weight_decay: float
-    warmup_steps: int
-    grad_clip: float
+    learner: LearnerConfig
+    """Optimizer (lr, weight_decay, warmup_steps, grad_clip) and memory (logprob_chunk_tokens,
+    activation_checkpointing, cpu_offload) settings."""
+    algorithm: AlgorithmConfig
     temperature: float
     """The actors' sampling temperature: log-probs are of logits / temperature, as the sampler's."""
     token_sum_norm: float
     """Dr.GRPO's constant (actor.max_response_tokens), fixed so that any split gives the same loss."""
-    algorithm: AlgorithmConfig
     param_dtype: torch.dtype = torch.float32
     """Compute dtype of forward/backward; master weights and optimizer state stay float32."""
-    logprob_chunk_tokens: int = 1024
-    """Loss tokens per chunk through the LM head (learner.logprob_chunk_tokens; 0 = all at once)."""
-    activation_checkpointing: bool = False
-    """Recompute each decoder layer's activations in the backward (learner.activation_checkpointing)."""
-    cpu_offload: bool = False
-    """Sharded parameters, gradients and optimizer state in CPU memory (learner.cpu_offload; CUDA only)."""
 
     @staticmethod
     def from_config(learner: LearnerConfig, algorithm: AlgorithmConfig, *, temperature: float,
                     max_response_tokens: int, model_dtype: str) -> "TrainerSettings":
-        return TrainerSettings(learner.lr, learner.weight_decay, learner.warmup_steps, learner.grad_clip, temperature,
-                               float(max_response_tokens), algorithm,
-                               torch.bfloat16 if model_dtype == "bfloat16" else torch.float32,
-                               logprob_chunk_tokens=learner.logprob_chunk_tokens,
-                               activation_checkpointing=learner.activation_checkpointing,
-                               cpu_offload=learner.cpu_offload)
+        return TrainerSettings(learner, algorithm, temperature, float(max_response_tokens),
+                               torch.bfloat16 if model_dtype == "bfloat16" else torch.float32)
 
 
 def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -98,11 +87,11 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
 def shard_model(model: torch.nn.Module, device: torch.device, settings: TrainerSettings) -> torch.nn.Module:
     """``fully_shard`` each decoder layer, then the root. The model must be identical on all ranks
     (same seed or same checkpoint): FSDP2 does not synchronise initial values."""
-    if settings.activation_checkpointing:
+    if settings.learner.activation_checkpointing:
         _apply_activation_checkpointing(model)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=settings.param_dtype, reduce_dtype=torch.float32)
-    offload = _offload_policy(device) if settings.cpu_offload else OffloadPolicy()
+    offload = _offload_policy(device) if settings.learner.cpu_offload else OffloadPolicy()
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
@@ -159,12 +148,12 @@ class Trainer:
 
         AttentionInterface.register("dapo_packed", packed_attention)
         model.set_attn_implementation("dapo_packed")
-        self.head: LogprobHead | None = install_logprob_head(model) if settings.logprob_chunk_tokens > 0 else None
+        learner = settings.learner
+        self.head: LogprobHead | None = install_logprob_head(model) if learner.logprob_chunk_tokens > 0 else None
         self.model = shard_model(model.to(device), device, settings)
         self.model.train()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=settings.lr,
-                                           weight_decay=settings.weight_decay)
-        warmup = max(settings.warmup_steps, 0)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=learner.lr, weight_decay=learner.weight_decay)
+        warmup = max(learner.warmup_steps, 0)
         # Linear warm-up per training step (the paper: 20 rollout steps), then constant.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
@@ -180,7 +169,7 @@ class Trainer:
             return self.model(**rows, logits_to_keep=1).logits.sum() * 0.0, None  # keeps FSDP's backward alive
         head = contextlib.nullcontext() if self.head is None else self.head.targets(
             mb.target_ids.to(dev)[None], temperature=self.settings.temperature,
-            chunk_tokens=self.settings.logprob_chunk_tokens, with_entropy=with_entropy)
+            chunk_tokens=self.settings.learner.logprob_chunk_tokens, with_entropy=with_entropy)
         with head:  # the head runs inside the root module's forward, where FSDP2 has gathered its weight
             out = self.model(**rows, logits_to_keep=mb.logit_index.to(dev), dapo_seq_bounds=mb.seq_bounds)
         if self.head is not None:
@@ -239,6 +228,7 @@ class Trainer:
                 num_tokens=num_tokens, num_seqs=num_seqs, token_sum_norm=self.settings.token_sum_norm,
                 **self.loss_kwargs)
             (loss * self.world_size).backward()
+            loss = loss.detach()
             rank_loss += float(loss)
             n = float(metrics["num_tokens"])
             sums["loss"] += float(loss)
@@ -254,8 +244,8 @@ class Trainer:
 
     def optimizer_step(self) -> float:
         """Clip (collective norm over all shards), step, zero grads; returns the pre-clip grad norm."""
-        max_norm = self.settings.grad_clip if self.settings.grad_clip > 0 else math.inf
-        if self.settings.cpu_offload and self.device.type != "cpu":
+        max_norm = self.settings.learner.grad_clip or math.inf  # 0 = no clipping
+        if self.settings.learner.cpu_offload and self.device.type != "cpu":
             norm = clip_offloaded_grads_(list(self.model.parameters()), max_norm, self.device)
         else:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)

@@ -139,7 +139,8 @@ def _one_step(variant: str) -> dict:
     from learner.trainer import Trainer
     from tests.unit.test_trainer import _settings, random_batch, tiny_model
 
-    settings = dataclasses.replace(_settings("token-mean", "recompute"), **VARIANTS[variant])
+    settings = _settings("token-mean", "recompute")
+    settings.learner = dataclasses.replace(settings.learner, **VARIANTS[variant])
     trainer = Trainer(tiny_model(), settings, torch.device("cpu"))
     shard = scatter_batch(random_batch() if dist.get_rank() == 0 else None, num_minibatches=1,
                           max_tokens_per_microbatch=40)
@@ -189,8 +190,9 @@ def test_trainer_chunked_and_checkpointed_grads_equal_plain_on_one_rank():
                 from learner.trainer import Trainer
                 from tests.unit.test_trainer import _settings, tiny_model
 
-                Trainer(tiny_model(), dataclasses.replace(_settings("token-mean"), cpu_offload=True),
-                        torch.device("cpu"))
+                settings = _settings("token-mean")
+                settings.learner = dataclasses.replace(settings.learner, cpu_offload=True)  # device auto, on a CPU
+                Trainer(tiny_model(), settings, torch.device("cpu"))
         finally:
             dist.destroy_process_group()
     assert runs["plain"]["micro"] > 2  # several micro-batches, each with > 5 loss tokens somewhere
@@ -211,7 +213,8 @@ def _one_sequence_step(variant: str) -> dict[str, float]:
     from learner.trainer import Trainer
     from tests.unit.test_trainer import _settings, random_batch, tiny_model
 
-    settings = dataclasses.replace(_settings("token-mean", "recompute"), **VARIANTS[variant])
+    settings = _settings("token-mean", "recompute")
+    settings.learner = dataclasses.replace(settings.learner, **VARIANTS[variant])
     trainer = Trainer(tiny_model(), settings, torch.device("cpu"))
     one = random_batch(seed=3, num_groups=1, group_size=1)
     return trainer.train_step(scatter_batch(one if dist.get_rank() == 0 else None, num_minibatches=1,

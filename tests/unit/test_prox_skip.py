@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dapo.config import AlgorithmConfig
+from dapo.config import AlgorithmConfig, LearnerConfig
 from learner.batch import from_groups, scatter_batch
 from tests.unit.test_trainer import REF_ALG, REF_OPT, REF_TEMPERATURE, tiny_model, wire_groups
 
@@ -20,7 +20,7 @@ def _trainer(num_minibatches: int):
 
     alg = AlgorithmConfig(prox_logp="recompute", num_prompts_per_step=GROUPS, num_minibatches_per_step=num_minibatches,
                           **REF_ALG)
-    settings = TrainerSettings(temperature=REF_TEMPERATURE, token_sum_norm=16.0, algorithm=alg, **REF_OPT)
+    settings = TrainerSettings(LearnerConfig(**REF_OPT), alg, temperature=REF_TEMPERATURE, token_sum_norm=16.0)
     return Trainer(tiny_model(), settings, torch.device("cpu"))
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dapo.algorithm import policy_loss
-from dapo.config import AlgorithmConfig
+from dapo.config import AlgorithmConfig, LearnerConfig
 from learner.batch import PackedMicroBatch, SampleBatch, plan, scatter_batch, shard_local
 
 VOCAB = 61
@@ -50,8 +50,8 @@ def _settings(agg: str, prox_logp: str = "bypass"):
     from learner.trainer import TrainerSettings
 
     alg = AlgorithmConfig(loss_agg=agg, prox_logp=prox_logp, num_prompts_per_step=4, num_minibatches_per_step=1)
-    return TrainerSettings(lr=1e-2, weight_decay=0.0, warmup_steps=0, grad_clip=0.0, temperature=0.7,
-                           token_sum_norm=16.0, algorithm=alg)
+    return TrainerSettings(LearnerConfig(lr=1e-2, weight_decay=0.0, warmup_steps=0, grad_clip=0.0), alg,
+                           temperature=0.7, token_sum_norm=16.0)
 
 
 def reference(agg: str) -> tuple[float, dict[str, torch.Tensor]]:
@@ -162,17 +162,6 @@ def test_loss_and_grads_equal_across_ranks_microbatches_and_packings(tmp_path):
     for key in ("train/loss", "train/grad_norm", "train/entropy", "train/loss_tokens"):
         assert abs(one1[key] - one2[key]) <= 1e-5, (key, one1[key], one2[key])
     assert one1["train/grad_norm"] > 0
-
-
-def test_learner_entry_splits_torchrun_flags_from_overrides():
-    from learner.__main__ import split_args
-
-    torchrun, overrides = split_args(["--nnodes=2", "--node-rank", "1", "--rdzv-endpoint", "h:29400",
-                                      "learner.num_ranks=4", "run.run_dir=x"])
-    assert torchrun == ["--nnodes=2", "--node-rank", "1", "--rdzv-endpoint", "h:29400"]
-    assert overrides == ["learner.num_ranks=4", "run.run_dir=x"]
-    with pytest.raises(SystemExit, match="unknown flag '--bogus'"):
-        split_args(["--bogus"])
 
 
 def test_metrics_logger_writes_jsonl_tensorboard_and_serves_prometheus(tmp_path):
@@ -375,7 +364,7 @@ def _ref_settings(num_minibatches: int):
 
     alg = AlgorithmConfig(prox_logp="recompute", num_prompts_per_step=REF_GROUPS,
                           num_minibatches_per_step=num_minibatches, **REF_ALG)
-    return TrainerSettings(temperature=REF_TEMPERATURE, token_sum_norm=16.0, algorithm=alg, **REF_OPT)
+    return TrainerSettings(LearnerConfig(**REF_OPT), alg, temperature=REF_TEMPERATURE, token_sum_norm=16.0)
 
 
 def trainer_training(num_minibatches: int, budget: int) -> tuple[list[dict], dict]:
