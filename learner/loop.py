@@ -128,9 +128,7 @@ def next_batch(cfg: DapoConfig, services: Rank0Services | None, stop: StopFlag,
         if ctrl[0] == STOP:
             return None
         if ctrl[0] == ERROR:
-            if error is not None:
-                raise error
-            raise RuntimeError("learner rank 0 failed while waiting for a batch; see rank 0's log")
+            raise error or RuntimeError("learner rank 0 failed while waiting for a batch; see rank 0's log")
 
 
 def publish(services: Rank0Services | None, state_dict: dict[str, torch.Tensor], version: int) -> dict[str, float]:
@@ -146,10 +144,8 @@ def publish(services: Rank0Services | None, state_dict: dict[str, torch.Tensor],
     return out
 
 
-def publish_initial(services: Rank0Services | None, state_dict: dict[str, torch.Tensor], step: int) -> None:
+def publish_initial(services: Rank0Services, state_dict: dict[str, torch.Tensor], step: int) -> None:
     """Version ``step`` before the first training step: actors sync to it; eval gives the curve's start."""
-    if services is None:
-        return
     publish(services, state_dict, step)
     if services.evaluator is not None:
         services.evaluator.submit(state_dict, step)
@@ -190,18 +186,15 @@ def flush_records(services: Rank0Services, *, block: bool = False) -> None:
 
 def log_step(services: Rank0Services, step: int, groups: list, batch: Any, values: dict[str, float],
              step_s: float, awaits_eval: bool = False) -> None:
-    record = {"version": float(step), **values, **batch_metrics(groups, step - 1)}
-    record["time/step_s"] = step_s
-    record["learner/idle_fraction"] = values["time/wait_batch_s"] / max(step_s, 1e-9)
-    record["throughput/tokens_per_s"] = float(batch.tokens.numel()) / max(step_s, 1e-9)
+    record = {"version": float(step), **values, **batch_metrics(groups, step - 1), "time/step_s": step_s,
+              "learner/idle_fraction": values["time/wait_batch_s"] / max(step_s, 1e-9),
+              "throughput/tokens_per_s": float(batch.tokens.numel()) / max(step_s, 1e-9)}
     status = services.coordinator.status()
     record["actors/alive"] = float(len(status["actors"]))
     uptime_ms = sum(a["counters"].get("uptime_ms", 0) for a in status["actors"])  # 0 before a heartbeat
     if uptime_ms:
         record["actors/idle_fraction"] = sum(a["counters"].get("idle_ms", 0) for a in status["actors"]) / uptime_ms
-    for k, v in services.replay.counters().items():
-        record[f"queue/{k}"] = float(v)
-    for k, v in services.coordinator.counters().items():
-        record[f"coordinator/{k}"] = float(v)
+    record.update({f"queue/{k}": float(v) for k, v in services.replay.counters().items()})
+    record.update({f"coordinator/{k}": float(v) for k, v in services.coordinator.counters().items()})
     hold(services, step, record, awaits_eval=awaits_eval)
     flush_records(services)
