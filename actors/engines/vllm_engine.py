@@ -79,15 +79,9 @@ class VllmEngine(Engine):
         params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                 logprobs=0, detokenize=False, stop_token_ids=self._stop_ids, ignore_eos=False)
         outs = self._llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
-        result = []
-        for out in outs:
-            group = []
-            for c in out.outputs:
-                ids = list(c.token_ids)
-                lps = [d[t].logprob for t, d in zip(ids, c.logprobs)]
-                group.append(RawSample(ids, lps, stopped=c.finish_reason == "stop"))
-            result.append(group)
-        return result
+        # One group per prompt; per completion its ids and the log-prob vLLM reports for each.
+        return [[RawSample(list(c.token_ids), [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)],
+                           stopped=c.finish_reason == "stop") for c in out.outputs] for out in outs]
 
     def _load(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         weights = dict(state_dict)
