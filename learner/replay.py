@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -103,7 +103,7 @@ class ReplayBuffer:
         self._stalled: DynamicSamplingStalled | None = None
         self._closed = False
         self.counts: dict[str, int] = {}
-        self.staleness_hist: dict[int, int] = {}
+        self.staleness_hist: Counter[int] = Counter()  # steps behind at consumption -> groups
         self.max_depth_groups = 0
         self.last_filter_stats: FilterStats | None = None
 
@@ -188,10 +188,7 @@ class ReplayBuffer:
                 self._want = n - len(batch)
                 self._cond.wait(remaining)
                 self._want = 0
-            version = coord.version
-            for group in batch:
-                staleness = version - group.min_version
-                self.staleness_hist[staleness] = self.staleness_hist.get(staleness, 0) + 1
+            self.staleness_hist.update(coord.version - g.min_version for g in batch)
             coord.settle([g.prompt_id for g in batch], "trained")
             if self.filter.batch_full:
                 self.last_filter_stats = self.filter.take_batch()
@@ -215,8 +212,7 @@ class ReplayBuffer:
             out["max_depth_groups"] = float(self.max_depth_groups)
             kept, filtered = out.get("accepted", 0.0), out.get("filtered", 0.0)
             out["filtered_fraction"] = filtered / (kept + filtered) if kept + filtered else 0.0
-            for staleness, n in self.staleness_hist.items():
-                out[f"staleness/{staleness}"] = float(n)
+            out.update({f"staleness/{s}": float(n) for s, n in self.staleness_hist.items()})
             return out
 
     def state_dict(self) -> dict[str, dict]:
@@ -233,7 +229,7 @@ class ReplayBuffer:
         with self._count_cond:
             self.counts = {str(k): int(v) for k, v in state["counts"].items()}
         with self._cond:
-            self.staleness_hist = {int(k): int(v) for k, v in state["staleness_hist"].items()}
+            self.staleness_hist = Counter({int(k): int(v) for k, v in state["staleness_hist"].items()})
 
 
 class ReplayQueue:
