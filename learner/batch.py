@@ -227,10 +227,9 @@ def plan(batch: SampleBatch, *, num_minibatches: int, world_size: int, max_token
         for r, items in enumerate(per_rank):
             bins: list[int] = []  # tokens per micro-batch; first-fit decreasing
             for i in items:
-                b = next((k for k, used in enumerate(bins) if used + lens[i] <= max_tokens_per_microbatch), None)
-                if b is None:
+                b = next((k for k, used in enumerate(bins) if used + lens[i] <= max_tokens_per_microbatch), len(bins))
+                if b == len(bins):
                     bins.append(0)
-                    b = len(bins) - 1
                 bins[b] += lens[i]
                 rank[i], micro[i] = r, b
             num_micro = max(num_micro, len(bins))
@@ -252,10 +251,9 @@ def _unpack(ints: torch.Tensor, floats: torch.Tensor, n_seq: int, num_minibatche
     meta = ints[:n_seq * _INT_COLS].view(n_seq, _INT_COLS)
     n_tok = int(meta[:, 0].sum())
     tokens = ints[n_seq * _INT_COLS:n_seq * _INT_COLS + n_tok]
-    adv = floats[:n_seq]
     return RankShard(tokens.clone(), meta[:, 0].clone(), meta[:, 1].clone(), meta[:, 2].clone(),
                      floats[n_seq:n_seq + n_tok].clone(), floats[n_seq + n_tok:n_seq + 2 * n_tok].clone(),
-                     adv.clone(), num_minibatches, num_micro)
+                     floats[:n_seq].clone(), num_minibatches, num_micro)
 
 
 def shard_local(batch: SampleBatch, *, num_minibatches: int, world_size: int, rank: int,

@@ -254,7 +254,6 @@ class Coordinator:
                     "shutdown": self._shutdown, "actors": self.registry.status(), "counters": dict(self._counters)}
 
     def audit(self) -> dict[str, int]:
-        """``PromptLedger.audit``: every issued prompt in exactly one state."""
         with self._lock:
             return self.ledger.audit()
 

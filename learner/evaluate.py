@@ -27,7 +27,7 @@ from dapo.evaluation import sampled_accuracy
 
 
 class Evaluator:
-    def __init__(self, cfg: DapoConfig, model_path: Path, batch_size: int = 128) -> None:
+    def __init__(self, cfg: DapoConfig, model_path: Path) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from dapo.data import build_dataset
@@ -37,11 +37,7 @@ class Evaluator:
         self.prompts = [dataset[i] for i in range(len(dataset))]
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
                                                           attn_implementation="sdpa").eval()
-        self.max_new_tokens = cfg.actor.max_response_tokens
-        self.temperature = cfg.actor.temperature
-        self.seed = cfg.learner.seed
-        # 128 = the whole built-in held-out set in one generate call: half the decoding steps of 64.
-        self.batch_size = batch_size
+        self.cfg = cfg
         self._thread: threading.Thread | None = None
         self._results: dict[int, dict[str, float]] = {}
         self._error: BaseException | None = None
@@ -75,9 +71,10 @@ class Evaluator:
             self._error = exc
 
     def _sample(self) -> dict[str, float]:
-        t0 = time.perf_counter()
-        r = sampled_accuracy(self.model, self.tokenizer, self.prompts, max_new_tokens=self.max_new_tokens,
-                             temperature=self.temperature, batch_size=self.batch_size, seed=self.seed)
+        t0, actor = time.perf_counter(), self.cfg.actor
+        # batch_size 128: the whole built-in held-out set in one generate call, half the decoding steps of 64.
+        r = sampled_accuracy(self.model, self.tokenizer, self.prompts, max_new_tokens=actor.max_response_tokens,
+                             temperature=actor.temperature, batch_size=128, seed=self.cfg.learner.seed)
         return {"eval/accuracy": r.accuracy, "eval/response_length_tokens": r.mean_response_tokens,
                 "eval/truncated_fraction": r.truncated_fraction, "eval/num_prompts": float(r.num_samples),
                 "time/eval_s": time.perf_counter() - t0, "time/eval_done_unix_s": time.time()}
