@@ -129,8 +129,7 @@ class Coordinator:
     def leave(self, actor_id: int) -> int:
         """Forget the actor; its leases are re-issued. Returns how many it held."""
         with self._lock:
-            actor = self._touch(actor_id)
-            n = self._drop_actor_locked(actor, "leases_returned_on_leave")
+            n = self._drop_actor_locked(self._touch(actor_id), "leases_returned_on_leave")
             self._count("actors_left")
             return n
 

@@ -58,18 +58,14 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(finite, step=step)
         if self._prom is not None:
-            self._export_prometheus(finite)
+            from prometheus_client import Gauge
+
+            for k, v in finite.items():
+                name = "dapo_learner_" + "".join(c if c.isalnum() else "_" for c in k)
+                if name not in self._gauges:
+                    self._gauges[name] = Gauge(name, k, registry=self._prom)
+                self._gauges[name].set(v)
         return record
-
-    def _export_prometheus(self, values: Mapping[str, float]) -> None:
-        import prometheus_client
-
-        for k, v in values.items():
-            name = "dapo_learner_" + "".join(c if c.isalnum() else "_" for c in k)
-            gauge = self._gauges.get(name)
-            if gauge is None:
-                gauge = self._gauges[name] = prometheus_client.Gauge(name, k, registry=self._prom)
-            gauge.set(v)
 
     def close(self) -> None:
         self._jsonl.close()
