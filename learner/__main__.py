@@ -19,8 +19,8 @@ usage: dapo learner [TORCHRUN FLAGS] [HYDRA OVERRIDES]
 
 Start the learner pool: learner.num_ranks ranks under torchrun (FSDP2; gloo on CPU, NCCL on GPU).
 Rank 0 also serves the coordinator (gRPC, transport.grpc_port), the replay queue (ZeroMQ PULL,
-transport.zmq_port) and the weight publisher (raw TCP side channel transport.weight_port, or the
-collective group on transport.collective_port with transport.weight_path=collective).
+transport.zmq_port) and the weight publisher (weights.backend, on weights.side_channel_port and,
+for the collective, weights.collective_port).
 
 Examples:
   dapo learner                                     # embedded default: tiny model, built-in task

@@ -40,7 +40,7 @@ Writes run.run_dir: metrics.jsonl, tensorboard/, curves.png, checkpoints/, hf/, 
 """
 
 STOP_GRACE_S = 30.0
-PORT_KEYS = ("grpc_port", "zmq_port", "weight_port", "collective_port")
+PORT_KEYS = {"transport": ("grpc_port", "zmq_port"), "weights": ("side_channel_port", "collective_port")}
 REGISTERED_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) actor INFO actors.loop: registered as", re.M)
 EXCEPTION_LINE = re.compile(r"^\[rank\d+\]: [\w.]*(Error|Exception|Stalled)\w*: ")
 
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         (run_dir / stale).unlink(missing_ok=True)  # a fresh run never mixes with an old one
     print(f"dapo run: preparing model {cfg.model.path} ...", file=sys.stderr)
     cfg = replace(cfg, model=replace(cfg.model, path=str(resolve_model_path(cfg))))
-    cfg = replace(cfg, transport=with_free_ports(cfg.transport))
+    cfg = with_free_ports(cfg)
 
     overrides = to_overrides(cfg)
     children: list[Child] = []
@@ -257,18 +257,18 @@ def target_line(records: list[dict], target: float, started_unix_s: float) -> st
             f"from `dapo run` ({hit[1]:.0f} s into training)")
 
 
-def with_free_ports(transport):
-    """``transport`` with every port given as 0 replaced by a port that is free now. The learner
+def with_free_ports(cfg):
+    """``cfg`` with every port given as 0 replaced by a port that is free now. The learner
     binds them a moment later (another process could take one in between: the learner then fails
     to bind and says so); knowing them up front lets the actors start alongside the learner."""
-    chosen, holders = {}, []
-    for key in PORT_KEYS:
-        if getattr(transport, key) == 0:
-            holders.append(_reserve_port(_connect_host(transport.host)))  # held: no two keys share a port
-            chosen[key] = holders[-1].getsockname()[1]
+    chosen, holders = {section: {} for section in PORT_KEYS}, []
+    for section, keys in PORT_KEYS.items():
+        for key in (k for k in keys if getattr(getattr(cfg, section), k) == 0):
+            holders.append(_reserve_port(_connect_host(cfg.transport.host)))  # held: no two keys share a port
+            chosen[section][key] = holders[-1].getsockname()[1]
     for sock in holders:
         sock.close()
-    return replace(transport, **chosen)
+    return replace(cfg, **{section: replace(getattr(cfg, section), **ports) for section, ports in chosen.items()})
 
 
 def _reserve_port(host: str) -> socket.socket:

@@ -67,13 +67,13 @@ class Cluster:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        self.grpc_port, zmq_port, weight_port, collective_port = free_ports(4)
+        self.grpc_port, zmq_port, side_channel_port, collective_port = free_ports(4)
         self.run_dir = self.tmp / "run"
         self.logs = self.tmp / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.config = [f"model.path={self.model_path}", f"run.run_dir={self.run_dir}",
                        f"transport.grpc_port={self.grpc_port}", f"transport.zmq_port={zmq_port}",
-                       f"transport.weight_port={weight_port}", f"transport.collective_port={collective_port}",
+                       f"weights.side_channel_port={side_channel_port}", f"weights.collective_port={collective_port}",
                        f"transport.auth_token={TOKEN}", *self.overrides]
         self.address = f"127.0.0.1:{self.grpc_port}"
         self.learner: subprocess.Popen | None = None

@@ -192,7 +192,7 @@ def test_collective_receiver_raises_within_its_timeout_when_the_publisher_is_kil
     peer = spawn("publisher")
     try:
         port = int(peer.stdout.readline())
-        rx = CollectiveWeightReceiver("127.0.0.1", port, "victim", timeout_s=3.0, bucket_bytes=1 << 16)
+        rx = CollectiveWeightReceiver("127.0.0.1", port, "victim", timeout_s=3.0)
         version, state, _ = rx.receive()  # a normal sync first
         assert version >= 1 and state["w"].numel() == 1 << 16
         os.kill(peer.pid, signal.SIGKILL)
@@ -213,7 +213,7 @@ def test_learner_without_actors_stops_with_a_clear_error_and_binds_loopback_by_d
     # No transport.host: the default must be loopback. Ports 0: the services pick free ports.
     proc = subprocess.Popen([sys.executable, "-m", "learner", f"model.path={random_tiny_model}",
                              f"run.run_dir={tmp_path / 'run'}", "transport.grpc_port=0", "transport.zmq_port=0",
-                             "transport.weight_port=0", "transport.collective_port=0", "learner.eval_every_steps=0",
+                             "weights.side_channel_port=0", "weights.collective_port=0", "learner.eval_every_steps=0",
                              "data.builtin_num_train_prompts=100", f"learner.batch_wait_timeout_s={wait_s}"],
                             cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -4,6 +4,7 @@ kill -9 + resume, HF export (transformers + vLLM), and a peer dying in a collect
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -27,12 +28,14 @@ TOKEN = "itest-token"
 @pytest.mark.timeout(120)
 def test_peer_dying_mid_collective_sync_gives_a_clear_error_within_the_timeout():
     from learner.publisher import WeightPublisher
+    from learner.transports import SenderOptions
 
     timeout_s, bucket = 8.0, 1 << 20
-    pub = WeightPublisher(host="127.0.0.1", side_channel_port=0, auth_token=TOKEN, chunk_bytes=1 << 20,
-                          timeout_s=timeout_s, collective_port=0, bucket_bytes=bucket)
+    pub = WeightPublisher("collective", SenderOptions("127.0.0.1", TOKEN, timeout_s, bucket_bytes=bucket),
+                          chunk_bytes=1 << 20)
     sd = {"w": torch.arange(4 << 20, dtype=torch.float32)}  # 16 MB = 16 buckets
-    proc = subprocess.Popen([sys.executable, str(HERE / "dying_actor.py"), str(pub.collective.port), str(bucket)],
+    port = pub.senders["collective"].port
+    proc = subprocess.Popen([sys.executable, str(HERE / "dying_actor.py"), str(port), str(bucket)],
                             stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         version, m = 0, {}
@@ -71,8 +74,8 @@ class Learner:
         self.log = tmp / f"{name}.log"
         # Port 0 everywhere: the services bind free ports and the learner prints them (no races).
         cfg = [f"model.path={model}", f"run.run_dir={self.run_dir}", "learner.num_ranks=2",
-               "transport.grpc_port=0", "transport.zmq_port=0", "transport.weight_port=0",
-               "transport.collective_port=0", f"transport.auth_token={TOKEN}", "algorithm.num_prompts_per_step=2",
+               "transport.grpc_port=0", "transport.zmq_port=0", "weights.side_channel_port=0",
+               "weights.collective_port=0", f"transport.auth_token={TOKEN}", "algorithm.num_prompts_per_step=2",
                "algorithm.num_samples_per_prompt=4", "algorithm.num_minibatches_per_step=2",
                "data.builtin_num_train_prompts=200", "learner.collective_timeout_s=60", *overrides]
         self.proc = subprocess.Popen([sys.executable, "-m", "learner", *cfg], cwd=ROOT, stdout=open(self.log, "w"),
@@ -83,7 +86,8 @@ class Learner:
             time.sleep(0.2)
         line = next(x for x in self.log.read_text().splitlines() if x.startswith("learner: coordinator "))
         self.grpc = line.split()[2].rstrip(",")
-        self.collective_port = int(line.rsplit("port ", 1)[1].rstrip(")")) if "store port" in line else 0
+        found = re.search(r"collective [^\s,()]+:(\d+)", line)  # "weights collective (..., collective HOST:PORT)"
+        self.collective_port = int(found.group(1)) if found else 0
 
     def actor(self, tmp: Path, name: str, *flags: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, str(HERE / "sim_actor.py"), "--learner", self.grpc, "--token", TOKEN,
@@ -125,7 +129,7 @@ def test_two_rank_learner_trains_publishes_on_both_paths_and_exports(tmp_path, r
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    learner = Learner(tmp_path, random_tiny_model, "transport.weight_path=collective", "learner.total_steps=4",
+    learner = Learner(tmp_path, random_tiny_model, "weights.backend=collective", "learner.total_steps=4",
                       "learner.checkpoint_every_steps=2", "learner.eval_every_steps=2",
                       "data.builtin_num_eval_prompts=8")
     final = tmp_path / "final.safetensors"

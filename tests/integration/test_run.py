@@ -29,8 +29,8 @@ def test_dapo_run_learns_within_the_staleness_bound_and_writes_the_run_folder(tm
                  f"learner.checkpoint_every_steps={STEPS}", "run.num_actors=2", f"algorithm.num_prompts_per_step={N}",
                  f"algorithm.max_staleness_steps={K}", f"run.cache_dir={ROOT / '.cache' / 'dapo'}",
                  # port 0 everywhere: the launcher reads the learner's ports from its start-up line
-                 "transport.grpc_port=0", "transport.zmq_port=0", "transport.weight_port=0",
-                 "transport.collective_port=0"]
+                 "transport.grpc_port=0", "transport.zmq_port=0", "weights.side_channel_port=0",
+                 "weights.collective_port=0"]
     proc = subprocess.Popen([sys.executable, "-m", "learner.launch", *overrides], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
