@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -515,3 +517,21 @@ def to_overrides(cfg: DapoConfig) -> list[str]:
                 value = "'" + value.replace("'", "\\'") + "'" if value else "''"
             out.append(f"{group}.{key}={value}")
     return out
+
+
+def save_resolved(cfg: DapoConfig) -> Path:
+    """Write ``cfg`` to ``<run.run_dir>/config.resolved.json`` (what the learner ranks read) and return the path."""
+    path = Path(cfg.run.run_dir) / "config.resolved.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}")  # renamed into place: no reader sees half a file
+    tmp.write_text(json.dumps(to_dict(cfg), indent=2))
+    return tmp.replace(path)
+
+
+def load_resolved(path: str | Path) -> DapoConfig:
+    """The config ``save_resolved`` wrote, typed and validated again, with no Hydra compose."""
+    try:
+        data = json.loads(Path(path).read_text())
+        return DapoConfig(**{f.name: f.default_factory(**data[f.name]) for f in dataclasses.fields(DapoConfig)})
+    except (KeyError, TypeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path} is not a config written by `dapo run` or `dapo learner`: {exc!r}") from None
