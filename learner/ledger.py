@@ -37,7 +37,6 @@ class PromptSource(Protocol):
 
     def get(self, index: int) -> tuple[Sequence[int], str, str]:
         """Row ``index`` as (prompt token ids, data_source, ground_truth); a NamedTuple is fine."""
-        ...
 
 
 @dataclass

@@ -241,7 +241,6 @@ class ReplayQueue:
         limits = GroupLimits(vocab_size, cfg.algorithm.num_samples_per_prompt, cfg.actor.max_response_tokens)
         self.buffer = ReplayBuffer(coordinator, max_groups=t.queue_max_groups, limits=limits,
                                    dynamic_filter=DynamicSamplingFilter.from_config(cfg.algorithm))
-        self._ctx = zmq.Context.instance()
         self._sock: zmq.Socket | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -253,7 +252,7 @@ class ReplayQueue:
         if t.curve_server_secret_key and not t.curve_server_public_key:
             raise ValueError("transport.curve_server_secret_key is set but transport.curve_server_public_key "
                              "is empty: set both (zmq.curve_keypair() gives a pair)")
-        sock = self._ctx.socket(zmq.PULL)
+        sock = zmq.Context.instance().socket(zmq.PULL)
         # RCVHWM counts messages: with lease credit it is never reached by well-behaved actors.
         sock.setsockopt(zmq.RCVHWM, self.buffer.max_groups)
         sock.setsockopt(zmq.MAXMSGSIZE, t.max_message_bytes)
@@ -340,9 +339,8 @@ class ReplayQueue:
         buf.count("received_messages")
         buf.count("received_bytes", sum(f.nbytes for f in frames))
         try:
-            group = decode_group(frames, auth_token=self.transport.auth_token,
-                                 max_message_bytes=self.transport.max_message_bytes)
-            buf.admit(group)
+            buf.admit(decode_group(frames, auth_token=self.transport.auth_token,
+                                   max_message_bytes=self.transport.max_message_bytes))
         except WireError as exc:
             buf.count(f"dropped/{exc.reason}")
         except Exception:  # a bug must not stop ingestion: count, log, go on
