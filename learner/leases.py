@@ -77,9 +77,7 @@ class LeaseReply:
     def replay(self, request_id: int, held: set[int]) -> list[LeaseGrant]:
         """What a retry of ``request_id`` gets: this reply's grants among the lease ids the actor
         still ``held`` (lease timeout may have taken some); [] for another request id."""
-        if request_id != self.request_id:
-            return []
-        return [g for g in self.result.leases if g.lease_id in held]
+        return [g for g in self.result.leases if g.lease_id in held] if request_id == self.request_id else []
 
     def lost_by_lease(self, request_id: int, last_received_request_id: int) -> bool:
         """A request with another number that does not acknowledge this reply: it never arrived."""

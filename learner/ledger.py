@@ -54,8 +54,7 @@ class RowCount:
 
 class PromptCursor:
     def __init__(self, num_rows: int, *, seed: int, max_epochs: int) -> None:
-        """``max_epochs``: 0 = never exhausted."""
-        self.num_rows, self.seed, self.max_epochs = num_rows, seed, max_epochs
+        self.num_rows, self.seed, self.max_epochs = num_rows, seed, max_epochs  # max_epochs 0: never exhausted
         self.epoch, self.position = 0, 0
         self._perm_epoch, self._perm = -1, np.zeros(0, np.int64)
 

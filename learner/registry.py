@@ -68,9 +68,7 @@ class ActorRegistry:
     def record_rejection(self, actor_id: int, reason: str, detail: str) -> None:
         """The replay queue rejected a group of this actor: counted, reported in heartbeat replies
         and Status, and logged once per reason and actor (a broken actor repeats itself)."""
-        actor = self.actors.get(actor_id)
-        if actor is None:
-            return
+        actor = self.actors[actor_id]  # it holds the lease of the rejected group
         actor.rejected[reason] = actor.rejected.get(reason, 0) + 1
         actor.last_rejected_reason = reason
         if actor.rejected[reason] == 1:
