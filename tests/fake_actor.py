@@ -3,14 +3,17 @@ GroupPusher, heartbeats, leases and weight paths, driven by tests/fake_engine.py
 of them in one process.
 
     python -m tests.fake_actor --learner HOST:PORT --token T [--threads N] [--easy-every K]
-        [--hold-file PATH] [--fetch-weights [--corrupt-first-fetch] [--report FILE]]
+        [--hold-file PATH] [--fetch-weights [--corrupt-first-fetch] [--report FILE]] [overrides]
 
+``overrides``: Hydra config overrides, as ``dapo actor`` takes them (e.g. the learner's collective
+port).
 Weights: by default a fetch returns the version the coordinator announced, with no tensors (the
 wire tests run no weight publisher); ``--fetch-weights`` fetches them over the network path
 (``NetworkWeightClient``; ``--corrupt-first-fetch`` flips a byte of the first transfer, which the
-client must repair) and ``--report`` writes, at exit, per actor: every fetch (version, chunks
-refetched), every version loaded and the loop's counters (e.g. ``weight_loads_collective``), and
-saves each fetched version as ``<report>.v<N>.safetensors``. ``--hold-file``: generation waits
+client must repair), and the run's weight backend (e.g. the collective) works as in ``dapo actor``.
+``--report FILE`` writes, at exit, per actor: every network fetch (version, chunks refetched),
+every version loaded and the loop's counters (e.g. ``weight_loads_collective``), and saves each
+version loaded as ``FILE.v<N>.safetensors`` (one actor per process). ``--hold-file``: generation waits
 until that file exists. SIGTERM, or the learner's shutdown, stops every actor; exit 0 when every
 actor's loop returned, 1 when one raised.
 """
@@ -18,9 +21,9 @@ actor's loop returned, 1 when one raised.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
+import os
 import sys
 import threading
 from pathlib import Path
@@ -30,37 +33,32 @@ from dapo.runtime import apply_service_env
 
 if TYPE_CHECKING:
     from actors.loop import Actor
+    from dapo.config import DapoConfig
     from tests.fake_engine import FakeEngine
 
 NO_RUN_DIR = "/nonexistent/fake-actor-run"
 """The actors' run folder: generation records are written only where it exists."""
 
 
-def build_actor(learner: str, token: str, engine: FakeEngine, stop: threading.Event, *,
+def build_actor(learner: str, cfg: DapoConfig, engine: FakeEngine, stop: threading.Event, *,
                 fetch: Callable[[int], tuple[int, dict]] | None = None) -> Actor:
     """An Actor as ``actors/main.py`` builds it, with the fake engine and verifier. ``fetch``:
     the weight fetch (default: the announced version, no tensors)."""
     from actors.client import CoordinatorClient
     from actors.loop import Actor
     from actors.metrics import ActorMetrics
-    from dapo.config import DapoConfig
     from tests.fake_engine import FakeVerifier, decode
 
-    cfg = DapoConfig()
-    cfg.transport = dataclasses.replace(cfg.transport, auth_token=token)
-    cfg.run = dataclasses.replace(cfg.run, run_dir=NO_RUN_DIR)
-    client = CoordinatorClient(learner, token, cfg.transport.rpc_timeout_s,
+    client = CoordinatorClient(learner, cfg.transport.auth_token, cfg.transport.rpc_timeout_s,
                                reconnect_backoff_max_s=cfg.actor.connect_retry_max_s)
     actor = Actor(cfg, client, engine, FakeVerifier(), decode,
                   fetch or (lambda _actor_id: (actor.latest_version, {})), ActorMetrics(), stop)
     return actor
 
 
-def recording_fetcher(learner: str, token: str, save_prefix: str, corrupt_first: bool):
+def recording_fetcher(learner: str, token: str, corrupt_first: bool):
     """(fetch, records): the network path's fetch as ``actors.client.network_fetcher`` does it,
-    recording each fetch and saving its tensors."""
-    from safetensors.torch import save_file
-
+    recording each fetch."""
     from actors.client import LearnerUnavailable
     from actors.transports.base import WeightFetchError
     from actors.transports.network import NetworkWeightClient
@@ -81,8 +79,6 @@ def recording_fetcher(learner: str, token: str, save_prefix: str, corrupt_first:
         except WeightFetchError as exc:
             raise LearnerUnavailable(f"weight fetch from {learner}: {exc}") from None
         records.append({"version": version, "refetched": stats.refetched_chunks})
-        if save_prefix:
-            save_file({k: v.clone() for k, v in state.items()}, f"{save_prefix}.v{version}.safetensors")
         return version, state
 
     return fetch, records
@@ -99,12 +95,15 @@ def main() -> int:
     p.add_argument("--fetch-weights", action="store_true")
     p.add_argument("--corrupt-first-fetch", action="store_true")
     p.add_argument("--report", default="")
+    p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s fake-actor %(threadName)s %(levelname)s "
                                                       "%(name)s: %(message)s")
     from actors.main import stop_on_signals
+    from dapo.config import load_config
     from tests.fake_engine import FakeEngine
 
+    cfg = load_config([f"transport.auth_token={args.token}", f"run.run_dir={NO_RUN_DIR}", *args.overrides])
     stop = threading.Event()
     stop_on_signals(stop)
 
@@ -114,10 +113,10 @@ def main() -> int:
 
     actors, records, failures = [], [], []
     for _ in range(args.threads):
-        fetch, fetched = (recording_fetcher(args.learner, args.token, args.report, args.corrupt_first_fetch)
+        fetch, fetched = (recording_fetcher(args.learner, args.token, args.corrupt_first_fetch)
                           if args.fetch_weights else (None, []))
-        actors.append(build_actor(args.learner, args.token, FakeEngine(easy_every=args.easy_every, hold=hold),
-                                  stop, fetch=fetch))
+        engine = FakeEngine(easy_every=args.easy_every, hold=hold, keep_weights=bool(args.report))
+        actors.append(build_actor(args.learner, cfg, engine, stop, fetch=fetch))
         records.append(fetched)
 
     def serve(actor: Actor) -> None:
@@ -135,11 +134,21 @@ def main() -> int:
     for t in threads:
         t.join()
     if args.report:
+        from safetensors.torch import save_file
+
         Path(args.report).write_text(json.dumps([
             {"fetches": fetched, "loaded": a.engine.loaded, "counters": a.metrics.counters}
             for a, fetched in zip(actors, records)]))
+        for version, state in actors[0].engine.weights.items():
+            save_file(state, f"{args.report}.v{version}.safetensors")
     return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # As actors/__main__.py: skip the interpreter's teardown, which aborts on a native thread in a
+    # c10d store wait (the collective weight receiver).
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

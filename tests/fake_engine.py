@@ -25,12 +25,15 @@ RIGHT, WRONG = 11, 12
 
 
 class FakeEngine(Engine):
-    def __init__(self, *, easy_every: int = 0, hold: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, *, easy_every: int = 0, hold: Callable[[], None] = lambda: None,
+                 keep_weights: bool = False) -> None:
         """``hold()`` runs before every backend call: a test's way to keep leases in generation."""
         super().__init__(version=0)
-        self.easy_every, self.hold = easy_every, hold
+        self.easy_every, self.hold, self.keep_weights = easy_every, hold, keep_weights
         self.loaded: list[int] = []
         """Every version loaded, in order."""
+        self.weights: dict[int, dict[str, torch.Tensor]] = {}
+        """With ``keep_weights``: a copy of every version loaded."""
 
     def _sample(self, sequences: list[list[int]], n: int, max_tokens: int, temperature: float,
                 top_p: float, seed: int) -> list[list[RawSample]]:
@@ -49,6 +52,8 @@ class FakeEngine(Engine):
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         super().load_weights(state_dict, version)
         self.loaded.append(version)
+        if self.keep_weights:  # the state dict views a buffer the next fetch overwrites
+            self.weights[version] = {k: v.clone() for k, v in state_dict.items()}
 
 
 def decode(token_ids: list[int]) -> str:

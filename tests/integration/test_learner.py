@@ -90,10 +90,21 @@ class Learner:
         self.collective_port = int(found.group(1)) if found else 0
 
     def actor(self, tmp: Path, name: str, *flags: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, str(HERE / "sim_actor.py"), "--learner", self.grpc, "--token", TOKEN,
-                                 "--out", str(tmp / f"{name}.jsonl"), "--max-s", "150", *flags], cwd=ROOT,
+        """A production actor loop with the fake engine (tests/fake_actor.py) on real weights; at
+        exit it writes ``<name>.json`` (fetches, loads, counters) and ``<name>.json.v<N>.safetensors``."""
+        return subprocess.Popen([sys.executable, "-m", "tests.fake_actor", "--learner", self.grpc, "--token", TOKEN,
+                                 "--fetch-weights", "--report", str(tmp / f"{name}.json"), *flags], cwd=ROOT,
                                 stdout=open(tmp / f"{name}.log", "w"), stderr=subprocess.STDOUT,
                                 start_new_session=True)
+
+    def wait_for_actors(self, n: int, timeout_s: float = 120) -> None:
+        from actors.client import CoordinatorClient
+
+        with CoordinatorClient(self.grpc, TOKEN, 5.0) as client:
+            deadline = time.monotonic() + timeout_s
+            while len(client.status().actors) < n:
+                assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()[-3000:]
+                time.sleep(0.2)
 
     def metrics(self) -> list[dict]:
         from dapo.plots import read_metrics
@@ -132,12 +143,16 @@ def test_two_rank_learner_trains_publishes_on_both_paths_and_exports(tmp_path, r
     learner = Learner(tmp_path, random_tiny_model, "weights.backend=collective", "learner.total_steps=4",
                       "learner.checkpoint_every_steps=2", "learner.eval_every_steps=2",
                       "data.builtin_num_eval_prompts=8")
-    final = tmp_path / "final.safetensors"
-    actors = [learner.actor(tmp_path, "net", "--corrupt-first-fetch", "--save-final", str(final)),
-              learner.actor(tmp_path, "coll", "--weight-path", "collective", "--collective-port",
-                            str(learner.collective_port), "--corrupt-first-fetch")]
+    gate = tmp_path / "generate"  # both actors register before either generates: both see every version
+    actors = [learner.actor(tmp_path, "net", "--hold-file", str(gate), "--corrupt-first-fetch"),
+              learner.actor(tmp_path, "coll", "--hold-file", str(gate),
+                            f"weights.collective_port={learner.collective_port}")]
     try:
+        learner.wait_for_actors(2)
+        gate.touch()
         assert learner.wait(240) == 0, learner.log.read_text()[-3000:]
+        for a, name in zip(actors, ("net", "coll")):  # the learner's shutdown: they leave and exit 0
+            assert a.wait(60) == 0, (tmp_path / f"{name}.log").read_text()[-3000:]
     finally:
         for a in actors:
             kill_tree(a)
@@ -145,14 +160,17 @@ def test_two_rank_learner_trains_publishes_on_both_paths_and_exports(tmp_path, r
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]  # 0: eval of the initial weights
     assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 2, 4]
     assert all(r["train/loss_tokens"] > 0 and r["weights/bytes"] > 0 and r["time/train_s"] > 0 for r in records[1:])
-    net, coll = _lines(tmp_path / "net.jsonl"), _lines(tmp_path / "coll.jsonl")
-    assert [r["version"] for r in net] == sorted({r["version"] for r in net}) and net[-1]["version"] == 4
-    assert net[0]["refetched"] == 1 and all(r["refetched"] == 0 for r in net[1:])  # corrupted chunk repaired
-    coll_loads = [r for r in coll if "version" in r]
-    last_load = max(i for i, r in enumerate(coll) if "version" in r)
-    # (an error after the last load is the learner going away at the end of the run)
-    assert coll_loads[-1]["version"] == 4 and not [r for r in coll[:last_load] if "error" in r]
-    assert [r["refetched"] for r in coll_loads].count(1) == 1
+    assert all(r["weights/collective_members"] == 1 for r in records[1:])  # every version broadcast to it
+    [net], [coll] = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("net", "coll"))
+    fetched = [r["version"] for r in net["fetches"]]
+    assert fetched == sorted(set(fetched)) == net["loaded"]  # every fetch loaded, in order
+    assert [r["refetched"] for r in net["fetches"]] == [1] + [0] * (len(fetched) - 1)  # corrupted chunk repaired
+    # The collective member loads what it did not fetch over the network from the broadcast.
+    assert coll["loaded"] == sorted(set(coll["loaded"])) and coll["counters"]["weight_loads_collective"] >= 1
+    assert len(coll["loaded"]) == len(coll["fetches"]) + coll["counters"]["weight_loads_collective"]
+    loaded = {v: tmp_path / f"{name}.json.v{v}.safetensors" for name, r in (("net", net), ("coll", coll))
+              for v in r["loaded"]}
+    assert max(loaded) == 4
     audit = [p for r in _lines(learner.run_dir / "trained_prompts.jsonl") for p in r["prompt_ids"]]
     assert len(audit) == 8 and len(set(audit)) == 8
 
@@ -161,7 +179,7 @@ def test_two_rank_learner_trains_publishes_on_both_paths_and_exports(tmp_path, r
     out = tmp_path / "hf"
     subprocess.run([sys.executable, "-m", "learner.export", str(learner.run_dir / "checkpoints" / "step_4"),
                     str(out)], cwd=ROOT, check=True, timeout=120)
-    published = load_file(final)
+    published = load_file(loaded[4])
     exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     sd = exported.state_dict()
     assert "model.embed_tokens.weight" in published
