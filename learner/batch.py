@@ -107,15 +107,12 @@ def batch_metrics(groups: list[TrajectoryGroup], version: int) -> dict[str, floa
     lens = np.concatenate([g.response_lengths for g in groups]).astype(np.float64)
     staleness = np.concatenate([version - g.versions for g in groups]).astype(np.float64)
     truncated = [r == "length" for g in groups for r in g.finish_reasons]
-    return {
-        "staleness/mean_steps": float(staleness.mean()), "staleness/max_steps": float(staleness.max()),
-        "train/response_length_tokens": float(lens.mean()),
-        "train/response_length_max_tokens": float(lens.max()),
-        "train/accuracy": float(np.concatenate([g.acc for g in groups]).mean()),
-        "train/reward": float(np.concatenate([g.rewards for g in groups]).mean()),
-        "train/truncated_fraction": float(np.mean(truncated)),
-        "train/num_groups": float(len(groups)), "train/num_samples": float(lens.size),
-    }
+    return {"staleness/mean_steps": float(staleness.mean()), "staleness/max_steps": float(staleness.max()),
+            "train/response_length_tokens": float(lens.mean()), "train/response_length_max_tokens": float(lens.max()),
+            "train/accuracy": float(np.concatenate([g.acc for g in groups]).mean()),
+            "train/reward": float(np.concatenate([g.rewards for g in groups]).mean()),
+            "train/truncated_fraction": float(np.mean(truncated)),
+            "train/num_groups": float(len(groups)), "train/num_samples": float(lens.size)}
 
 
 @dataclass
