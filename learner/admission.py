@@ -47,10 +47,7 @@ class Admission:
 
     def from_the_future(self, group: TrajectoryGroup, newest_version: int) -> bool:
         """A token of ``group`` claims weights no actor can hold yet."""
-        newest = int(group.versions.max())
-        if group.version_changes.shape[0]:
-            newest = max(newest, int(group.version_changes[:, 2].max()))
-        return newest > newest_version
+        return max([int(group.versions.max()), *group.version_changes[:, 2].tolist()]) > newest_version
 
     def fresh_at_consumption(self, min_version: int, version: int) -> bool:
         return version - min_version <= self.max_staleness_steps
