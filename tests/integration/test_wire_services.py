@@ -19,7 +19,9 @@ from dapo.wire import TrajectoryGroup, encode_group
 from protos import AUTH_METADATA_KEY
 from protos import coordinator_pb2 as pb
 from protos import coordinator_pb2_grpc as pb_grpc
-from actors.client import CoordinatorClient, CoordinatorError
+from actors.client import CoordinatorClient, CoordinatorError, GroupPusher
+from tests.fake_actor import NO_RUN_DIR, build_actor
+from tests.fake_engine import FakeEngine
 from tests.integration.wire_harness import TOKEN, Learner, kill_all, make_cfg, spawn_actors
 
 pytestmark = pytest.mark.slow
@@ -279,24 +281,22 @@ def test_dead_peers_give_clear_errors_within_the_deadline() -> None:
 
 @pytest.mark.timeout(60)
 def test_curve_encrypted_queue_accepts_a_curve_client() -> None:
+    """A production actor (fake engine) given the queue's public key gets its groups in."""
     public, secret = zmq.curve_keypair()
     cfg = make_cfg(transport=dict(curve_server_secret_key=secret.decode(), curve_server_public_key=public.decode()))
     learner = Learner(cfg, 10)
-    client = CoordinatorClient(learner.target, TOKEN, timeout_s=5)
-    ctx = zmq.Context()
-    push = ctx.socket(zmq.PUSH)
+    stop = threading.Event()
+    actor = build_actor(learner.target, dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, run_dir=NO_RUN_DIR)),
+                        FakeEngine(), stop)
+    thread = threading.Thread(target=actor.run)
+    thread.start()
     try:
-        reg = client.register("curve")
-        client_public, client_secret = zmq.curve_keypair()
-        push.curve_serverkey, push.curve_publickey, push.curve_secretkey = public, client_public, client_secret
-        push.connect(reg.zmq_endpoint)
-        lease = client.lease(reg.actor_id, 1, 0).leases[0]
-        push.send_multipart(encode_group(make_group(reg.run_id, reg.actor_id, lease, 0), TOKEN))
-        assert learner.queue.buffer.wait_until(lambda c: c.get("accepted", 0) == 1, timeout_s=10)
+        assert learner.queue.buffer.wait_until(lambda c: c.get("accepted", 0) >= 1, timeout_s=10), \
+            learner.queue.counters()
     finally:
-        push.close(linger=0)
-        ctx.term()
-        client.close()
+        stop.set()
+        thread.join(30)
+        actor.client.close()
         learner.close()
 
 
@@ -369,20 +369,17 @@ def push_and_train(learner: Learner, actor: int, leases, spoil=None) -> list:
         return sum(v for k, v in c.items() if k.startswith("dropped/") or k == "accepted")
 
     before = handled(learner.queue.buffer.counts)
-    ctx = zmq.Context()
-    push = ctx.socket(zmq.PUSH)
-    push.connect(learner.queue.endpoint)
+    pusher = GroupPusher(learner.queue.endpoint, send_timeout_s=5.0)
     try:
         for i, lease in enumerate(leases):
             group = make_group(learner.coordinator.run_id, actor, lease, learner.coordinator.version)
             if spoil is not None and i == 0:
                 group = spoil(group)
-            push.send_multipart(encode_group(group, TOKEN))
+            assert pusher.send(encode_group(group, TOKEN))
         assert learner.queue.buffer.wait_until(lambda c: handled(c) >= before + len(leases), 10), \
             learner.queue.counters()
     finally:
-        push.close(linger=0)
-        ctx.term()
+        pusher.close()
     if spoil is not None:
         return []
     return train_until(learner, len(leases), timeout_s=10)
