@@ -143,13 +143,15 @@ def _garbage_request(rng: random.Random, token: str) -> bytes:
 def test_weight_side_channel_survives_garbage_and_keeps_serving() -> None:
     from actors.transports.side_channel import SideChannelClient
     from learner.publisher import WeightPublisher
+    from learner.transports import SenderOptions
 
-    pub = WeightPublisher(host="127.0.0.1", side_channel_port=0, auth_token=TOKEN, chunk_bytes=4096, timeout_s=0.5)
+    pub = WeightPublisher("side_channel", SenderOptions("127.0.0.1", TOKEN, timeout_s=0.5), chunk_bytes=4096)
+    server = pub.senders["side_channel"]
     sd = {"w": torch.arange(10_000, dtype=torch.float32)}
     rng = random.Random(7)
     try:
         pub.publish(sd, version=1)
-        host, port = pub.server.endpoint.rsplit(":", 1)
+        host, port = server.endpoint.rsplit(":", 1)
         for _ in range(NUM_SIDE_CHANNEL_CONNECTIONS):
             with socket.create_connection((host, int(port)), timeout=5) as s:
                 try:
@@ -158,16 +160,16 @@ def test_weight_side_channel_survives_garbage_and_keeps_serving() -> None:
                     s.recv(1 << 16)
                 except OSError:  # the server may close first (reset): that is a refusal too
                     pass
-        counters = dict(pub.server.counters)
+        counters = dict(server.counters)
         assert counters["requests"] == 0 and counters["bytes_sent"] == 0, counters  # nothing served to garbage
         assert counters["rejected"] + counters["errors"] > NUM_SIDE_CHANNEL_CONNECTIONS // 2, counters
         # Still serving: a valid range read.
-        side = SideChannelClient(pub.server.endpoint, TOKEN, timeout_s=5)
+        side = SideChannelClient(server.endpoint, TOKEN, timeout_s=5)
         dst = bytearray(16)
         side.read_into(memoryview(dst), 1, 0)
         side.close()
         # the server counts after its sendall returns, which may be after our recv
-        wait_for("the valid request counted", lambda: pub.server.counters["requests"] == 1, 10)
+        wait_for("the valid request counted", lambda: server.counters["requests"] == 1, 10)
         assert bytes(dst) == pub.read(1, 0, 16)
         print(f"side channel after {NUM_SIDE_CHANNEL_CONNECTIONS} garbage connections: {counters}")
     finally:

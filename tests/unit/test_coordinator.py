@@ -302,11 +302,11 @@ def test_weights_fetchable_before_the_version_is_announced_are_leased_and_admitt
     from learner import loop
     from learner.rank0 import Rank0Services
     from learner.publisher import WeightPublisher
+    from learner.transports import SenderOptions
 
     coord = make(N=2, k=0)
     buf = make_buffer(coord)
-    publisher = WeightPublisher(host="127.0.0.1", side_channel_port=0, auth_token="t", chunk_bytes=1 << 16,
-                                timeout_s=5.0)
+    publisher = WeightPublisher("side_channel", SenderOptions("127.0.0.1", "t", timeout_s=5.0), chunk_bytes=1 << 16)
     actor = coord.register("a")
     seen: list = []
     put = publisher.store.put
