@@ -61,18 +61,23 @@ def run_load(*, num_actors: int = 64, num_processes: int = 4, duration_s: float 
     me = psutil.Process()
     procs: list[subprocess.Popen] = []
     stop = threading.Event()
-    t0 = time.monotonic()
 
     def sample_rss() -> None:
         while not stop.wait(RSS_SAMPLE_S):
             report.rss_bytes.append((time.monotonic() - t0, me.memory_info().rss))
 
     sampler = threading.Thread(target=sample_rss, daemon=True)
-    sampler.start()
     try:
         per = [num_actors // num_processes + (i < num_actors % num_processes) for i in range(num_processes)]
         procs += [spawn_actors(learner.target, "--threads", str(n), "--easy-every", "5") for n in per]
         coord, queue = learner.coordinator, learner.queue
+        # The load starts once every actor is up: start-up (imports) is not part of the measurement.
+        deadline = time.monotonic() + 120
+        while len(coord.status()["actors"]) < num_actors:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), coord.status()["actors"]
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        sampler.start()
         end = t0 + duration_s
         while time.monotonic() < end:
             try:
