@@ -26,7 +26,7 @@ EPILOG = """\
 Everything after the options is a Hydra override, e.g.
   dapo actor --learner 10.0.0.5:50051 transport.auth_token=SECRET actor.engine=torch
   dapo actor --learner 127.0.0.1:50051 actor.update_mode=inflight actor.prometheus_port=9100
-Keys: see dapo/config.py (ActorConfig, ModelConfig, TransportConfig) or `dapo config`.
+Keys: see dapo/config.py (ActorConfig, ModelConfig, TransportConfig, WeightSyncConfig) or `dapo config`.
 """
 
 
