@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import msgpack
 
+from dapo.launch import signal_on_parent_death
 from dapo.rewards import SCORE_FN, UnknownDataSource
-from dapo.runtime import signal_on_parent_death
 
 log = logging.getLogger(__name__)
 

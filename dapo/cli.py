@@ -1,9 +1,9 @@
 """The ``dapo`` command.
 
 A thin dispatcher. Library work (``dapo data inspect``, ``dapo config``) runs here; every
-service subcommand replaces this process with ``python -m <service module>`` so that signals
-(Ctrl-C, SIGTERM) reach the service directly and ``dapo/`` stays free of process code and of
-imports of ``actors`` or ``learner``.
+subcommand that starts processes replaces this process with ``python -m <module>`` (a launcher
+of ``dapo.launch``, or a service) so that signals (Ctrl-C, SIGTERM) reach it directly and the
+dispatcher imports neither the launchers nor ``actors`` or ``learner``.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from dapo.runtime import service_env
 
 # subcommand -> (module run with `python -m`, one-line help)
 SERVICES: dict[str, tuple[str, str]] = {
-    "run": ("learner.launch", "start a learner and N actors locally and train (the main job)"),
-    "learner": ("learner", "start the learner pool (torchrun, FSDP2) with its coordinator and replay queue"),
+    "run": ("dapo.launch.run", "start a learner and N actors locally and train (the main job)"),
+    "learner": ("dapo.launch.learner_pool", "start the learner pool (torchrun, FSDP2), coordinator and replay queue"),
     "actor": ("actors", "start one rollout actor: `dapo actor --learner HOST:PORT [overrides]`"),
-    "sweep": ("learner.sweep", "run the same config over a list of settings (staleness, algorithm presets)"),
+    "sweep": ("dapo.launch.sweep", "run the same config over a list of settings (staleness, algorithm presets)"),
     "eval": ("actors.evaluate", "avg@k / pass@k of a model on a verl-format dataset: `dapo eval MODEL DATA`"),
     "export": ("learner.export", "write an HF folder from a checkpoint: `dapo export CKPT OUT`"),
 }

@@ -114,7 +114,7 @@ def plot_sweep(runs: Mapping[str, Sequence[Record]], out_png: str | Path, key: s
     axes[2].set_ylabel("fraction of samples")
     if axes[2].get_legend_handles_labels()[0]:
         axes[2].legend(fontsize=8)
-    idle = [(_mean(runs[lb], "actors/idle_fraction"), _mean(runs[lb], "learner/idle_fraction")) for lb in labels]
+    idle = [(mean_of(runs[lb], "actors/idle_fraction"), mean_of(runs[lb], "learner/idle_fraction")) for lb in labels]
     xs = range(len(labels))
     axes[3].bar([x - 0.2 for x in xs], [a for a, _ in idle], width=0.4, label="actors idle")
     axes[3].bar([x + 0.2 for x in xs], [b for _, b in idle], width=0.4, label="learner idle")
@@ -134,6 +134,7 @@ def _save(plt, fig, out_png: str | Path, title: str) -> Path:
     return out
 
 
-def _mean(records: Sequence[Record], key: str) -> float:
+def mean_of(records: Sequence[Record], key: str) -> float:
+    """Mean of ``key`` over the records that have it (nan if none)."""
     _, ys = series(records, key)
     return sum(ys) / len(ys) if ys else float("nan")

@@ -1,32 +1,8 @@
-"""Process environment every dapo service runs with, and the parent-death signal (starts nothing)."""
+"""Process environment every dapo service runs with (sets variables; starts nothing)."""
 
 from __future__ import annotations
 
-import ctypes
 import os
-
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def signal_on_parent_death(sig: int) -> bool:
-    """Have the kernel send ``sig`` to this process when its parent dies, even by SIGKILL, so that
-    no child outlives what started it. Call it in the child (a ``preexec_fn``, or first thing in
-    ``main``). False where prctl is missing (not Linux)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
-    except OSError:
-        return False
-    return True
-
-
-def die_with_parent() -> None:
-    """A learner rank (or the torchrun under ``dapo learner``): SIGKILL when the parent dies. torchrun
-    starts ranks in sessions of their own: after a kill -9 of torchrun they would live on holding the
-    learner's ports, so a resumed learner could not bind."""
-    import signal
-
-    if signal_on_parent_death(signal.SIGKILL) and os.getppid() == 1:  # the parent died before prctl took effect
-        os._exit(1)
 
 
 def service_env() -> dict[str, str]:

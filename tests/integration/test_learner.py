@@ -67,7 +67,7 @@ def test_peer_dying_mid_collective_sync_gives_a_clear_error_within_the_timeout()
 
 
 class Learner:
-    """``python -m learner`` (torchrun, 2 ranks) in its own process group, on free loopback ports."""
+    """``dapo learner`` (torchrun, 2 ranks) in its own process group, on free loopback ports."""
 
     def __init__(self, tmp: Path, model: Path, *overrides: str, name: str = "learner") -> None:
         self.run_dir = tmp / "run"
@@ -78,8 +78,8 @@ class Learner:
                "weights.collective_port=0", f"transport.auth_token={TOKEN}", "algorithm.num_prompts_per_step=2",
                "algorithm.num_samples_per_prompt=4", "algorithm.num_minibatches_per_step=2",
                "data.builtin_num_train_prompts=200", "learner.collective_timeout_s=60", *overrides]
-        self.proc = subprocess.Popen([sys.executable, "-m", "learner", *cfg], cwd=ROOT, stdout=open(self.log, "w"),
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "dapo.launch.learner_pool", *cfg], cwd=ROOT,
+                                     stdout=open(self.log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 120
         while "learner: coordinator " not in self.log.read_text():
             assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()[-3000:]

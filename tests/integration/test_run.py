@@ -31,7 +31,7 @@ def test_dapo_run_learns_within_the_staleness_bound_and_writes_the_run_folder(tm
                  # port 0 everywhere: the launcher reads the learner's ports from its start-up line
                  "transport.grpc_port=0", "transport.zmq_port=0", "weights.side_channel_port=0",
                  "weights.collective_port=0"]
-    proc = subprocess.Popen([sys.executable, "-m", "learner.launch", *overrides], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "dapo.launch.run", *overrides], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=540)

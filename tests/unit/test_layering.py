@@ -2,6 +2,11 @@
 
 - ``dapo`` is the pure library: no inference engine, network, process or collective code, and no
   imports of the services. ``actors`` and ``learner`` import ``dapo`` and ``protos``, never each other.
+- ``dapo/launch/`` (dapo run, dapo learner, dapo sweep) is the one part of ``dapo`` that may start,
+  signal and kill processes and reserve ports (subprocess, socket, signal, psutil, ctypes, os
+  process calls); it starts the services as commands and never imports them (no actors, learner,
+  torch, vllm, grpc or zmq). No other module of ``dapo`` imports ``dapo.launch``; ``dapo/cli.py``
+  may only replace itself (os.exec*) with a launcher or service command, which starts no child.
 - Nothing under dapo/ actors/ learner/ protos/ unpickles: network data and checkpoints are
   parsed, never executed.
 - One home per concern: the gRPC channel is opened only by the one client (actors/client.py),
@@ -20,7 +25,8 @@ PACKAGES = ("dapo", "actors", "learner", "protos")
 
 FORBIDDEN = {
     "dapo": ("vllm", "grpc", "zmq", "torch.distributed", "actors", "learner", "subprocess", "socket",
-             "multiprocessing"),
+             "multiprocessing", "signal", "psutil", "ctypes", "dapo.launch"),
+    "dapo/launch": ("actors", "learner", "torch", "vllm", "grpc", "zmq", "multiprocessing"),
     "actors": ("learner",),
     "learner": ("actors",),
     "protos": ("actors", "learner"),
@@ -29,9 +35,10 @@ HOMES = {"channel": "actors/client.py", "x-dapo-token": "protos/__init__.py",
          "max_staleness_steps": "learner/admission.py", "SO_RCVTIMEO": "protos/transports.py"}
 """Concern -> the one product file allowed to hold it (see ``home_violations``)."""
 PICKLERS = ("pickle", "_pickle", "cPickle", "cloudpickle", "dill", "joblib")
-# os functions that start a process. dapo/ may not call them; os.exec* replaces the current
-# process (no child), which the `dapo` CLI dispatcher does on purpose, so it is allowed there only.
-PROCESS_CALLS = ("fork", "forkpty", "system", "popen", "spawn", "posix_spawn", "exec")
+# os functions that start, signal or regroup processes: dapo/launch/ only. os.exec* replaces the
+# current process (no child), which the `dapo` CLI dispatcher does on purpose, so it is allowed there.
+PROCESS_CALLS = ("fork", "forkpty", "system", "popen", "spawn", "posix_spawn", "exec", "kill", "setsid",
+                 "setpgid", "wait")
 EXEC_ALLOWED = {("dapo/cli.py", "execvpe")}
 
 
@@ -77,7 +84,7 @@ def matches(module: str, banned: str) -> bool:
 
 
 def layering_violations(source: str, path: str) -> list[str]:
-    top = path.split("/", 1)[0]
+    top = "dapo/launch" if path.startswith("dapo/launch/") else path.split("/", 1)[0]
     tree = ast.parse(source, filename=path)
     out = [f"{path}:{line} imports {mod} (forbidden in {top}/)"
            for line, mod in imported_modules(tree, path)
@@ -88,7 +95,7 @@ def layering_violations(source: str, path: str) -> list[str]:
                     and isinstance(node.func.value, ast.Name) and node.func.value.id == "os"
                     and node.func.attr.startswith(PROCESS_CALLS)
                     and (path, node.func.attr) not in EXEC_ALLOWED):
-                out.append(f"{path}:{node.lineno} calls os.{node.func.attr} (dapo/ starts no processes)")
+                out.append(f"{path}:{node.lineno} calls os.{node.func.attr} (only dapo/launch/ handles processes)")
     return out
 
 
@@ -193,6 +200,19 @@ def test_no_pickle_on_any_path():
     ("dapo/x.py", "import os\nos.system('ls')"),
     ("dapo/x.py", "import os\nos.fork()"),
     ("dapo/x.py", "import os\nos.execvpe('a', [], {})"),  # exec allowed in dapo/cli.py only
+    ("dapo/plots.py", "import signal"),
+    ("dapo/x.py", "import psutil"),
+    ("dapo/runtime.py", "import ctypes"),
+    ("dapo/x.py", "import os\nos.killpg(pid, 9)"),
+    ("dapo/x.py", "import os\nos.setsid()"),
+    ("dapo/cli.py", "from dapo.launch import run"),
+    ("dapo/x.py", "from .launch import spawn"),
+    ("dapo/launch/run.py", "import torch"),
+    ("dapo/launch/x.py", "from learner.main import read_config"),
+    ("dapo/launch/x.py", "import actors.main"),
+    ("dapo/launch/x.py", "def f():\n    import zmq"),
+    ("dapo/launch/x.py", "from grpc import server"),
+    ("dapo/launch/x.py", "import vllm"),
     ("actors/x.py", "from learner import coordinator"),
     ("actors/engines/x.py", "from ...learner.publisher import x"),
     ("learner/x.py", "import actors.transports.network"),
@@ -208,6 +228,9 @@ def test_layering_checker_flags(path, source):
     ("dapo/x.py", "import torch\nfrom dapo.config import load_config"),
     ("dapo/x.py", "import grpcio_tools_like_name"),  # a prefix is not the package
     ("dapo/cli.py", "import os\nos.execvpe('a', [], {})"),
+    ("dapo/launch/x.py", "import os, signal, socket, subprocess, psutil, ctypes\nos.killpg(1, 9)\nos.setsid()\n"
+                         "from dapo.launch import spawn\nfrom dapo.config import load_config"),
+    ("learner/main.py", "from dapo.launch import die_with_parent"),  # a service may use the helpers
     ("actors/x.py", "import zmq\nimport grpc\nfrom protos import coordinator_pb2\nfrom dapo import wire"),
     ("learner/x.py", "import torch.distributed as dist\nfrom . import replay"),
 ])

@@ -3,7 +3,7 @@
 import math
 
 from dapo.plots import plot_run, plot_sweep, read_metrics, series, time_to_target
-from learner.sweep import markdown_table, summarize
+from dapo.launch.sweep import markdown_table, summarize
 
 
 def records(acc_by_step, seconds_per_step, stale=0.0):

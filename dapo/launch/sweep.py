@@ -14,28 +14,22 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
-from statistics import mean
 
-from dapo.plots import plot_sweep, read_metrics, series, time_to_target
-from dapo.runtime import service_env, signal_on_parent_death
-
-HELP = __doc__
+from dapo.launch import resolve_config, signal_on_parent_death, spawn
+from dapo.plots import mean_of, plot_sweep, read_metrics, series, time_to_target
 
 
 def run_point(label: str, overrides: list[str]) -> int:
-    argv = [sys.executable, "-m", "learner.launch", *overrides]
+    argv = [sys.executable, "-m", "dapo.launch.run", *overrides]
     print(f"dapo sweep: {label}: {' '.join(overrides)}", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     # Same process group (Ctrl-C reaches the run, which stops cleanly) plus a parent-death
     # signal: killing the sweep stops its current run too.
-    rc = subprocess.call(argv, env={**os.environ, **service_env()},
-                         preexec_fn=lambda: signal_on_parent_death(signal.SIGTERM))
+    rc = spawn(argv, lambda: signal_on_parent_death(signal.SIGTERM)).wait()
     print(f"dapo sweep: {label} finished in {time.monotonic() - t0:.0f} s (exit {rc})", file=sys.stderr)
     return rc
 
@@ -46,7 +40,6 @@ def summarize(runs: dict[str, list[dict]], target: float) -> list[dict]:
     for label, recs in runs.items():
         _, acc = series(recs, "eval/accuracy")
         hit = time_to_target(recs, "eval/accuracy", target)
-        _, stale = series(recs, "staleness/mean_steps")
         _, stale_max = series(recs, "staleness/max_steps")
         rows.append({
             "run": label,
@@ -55,20 +48,15 @@ def summarize(runs: dict[str, list[dict]], target: float) -> list[dict]:
             "best acc": max(acc) if acc else math.nan,
             "steps to target": hit[0] if hit else math.nan,
             "time to target (s)": hit[1] if hit else math.nan,
-            "staleness mean": mean(stale) if stale else math.nan,
+            "staleness mean": mean_of(recs, "staleness/mean_steps"),
             "staleness max": max(stale_max) if stale_max else math.nan,
-            "actor idle": _mean(recs, "actors/idle_fraction"),
-            "learner idle": _mean(recs, "learner/idle_fraction"),
+            "actor idle": mean_of(recs, "actors/idle_fraction"),
+            "learner idle": mean_of(recs, "learner/idle_fraction"),
         })
     base = rows[0]["time to target (s)"] if rows else math.nan
     for row in rows:
         row["speed-up vs first"] = base / row["time to target (s)"]
     return rows
-
-
-def _mean(recs: list[dict], key: str) -> float:
-    _, ys = series(recs, key)
-    return mean(ys) if ys else math.nan
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -82,7 +70,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dapo sweep", description=HELP,
+    parser = argparse.ArgumentParser(prog="dapo sweep", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--over", default="algorithm.max_staleness_steps=0,1,2,4",
                         help="KEY=V1,V2,... the setting to vary (default: %(default)s)")
@@ -99,8 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     if not key or not values:
         parser.error(f"--over must look like KEY=V1,V2 (got {args.over!r})")
 
-    from dapo.config import ConfigError, load_config
-
     seeds = [int(s) for s in args.seeds.split(",")]
     out_dir = Path(args.out) / f"sweep-{args.name or key.split('.')[-1]}"
     points = []
@@ -112,11 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             # model stay those of run.seed, so seeds compare the algorithm, not the start.
             overrides = [*args.overrides, f"{key}={value}", f"learner.seed={seed}", f"actor.seed={seed}",
                          f"run.run_dir={out_dir / label}"]
-            try:
-                cfg = load_config(overrides)  # fail before the first run, not after an hour
-            except ConfigError as exc:
-                print(f"dapo sweep: {exc}", file=sys.stderr)
-                return 2
+            cfg = resolve_config("dapo sweep", overrides)  # fail before the first run, not after an hour
             points.append((label, overrides))
     target = args.target if args.target is not None else cfg.run.target_accuracy
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -3,8 +3,9 @@
     dapo run [overrides]
       ├─ builds the embedded tiny model once (model.path=builtin:tiny) so children never race
       ├─ picks free ports for any port given as 0, so that learner and actors start together
-      ├─ python -m learner.main <config>        (one rank: no torchrun process in between)
-      │  python -m learner <config>             (W > 1 ranks: torchrun; coordinator + replay queue)
+      ├─ writes the resolved config (model path, ports) to <run_dir>/config.resolved.json
+      ├─ python -m learner.main --config FILE   (one rank: no torchrun process in between)
+      │  python -m dapo.launch.learner_pool --config FILE   (W > 1 ranks: torchrun, signal forwarding)
       ├─ python -m actors --learner H:P <config>   × run.num_actors   (concurrently with the learner)
       ├─ tails <run_dir>/metrics.jsonl → progress bar (step, version, accuracy, reward, ...)
       ├─ prints the start-up breakdown once the first step is trained
@@ -22,21 +23,23 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 from dataclasses import replace
+from datetime import datetime
 from pathlib import Path
 
-from dapo.runtime import apply_service_env, service_env, signal_on_parent_death
+from dapo.config import DapoConfig, save_resolved, to_overrides
+from dapo.launch import latest_checkpoint, reserve_port, resolve_config, signal_on_parent_death, spawn
+from dapo.runtime import apply_service_env
 
 HELP = """\
 Start a learner and run.num_actors actors on this machine and train until learner.total_steps
 (or run.max_wall_time_s, or run.target_accuracy with run.stop_at_target=true).
 Everything after the flags is a Hydra override, e.g.
   dapo run run.num_actors=2 learner.num_ranks=2 algorithm.max_staleness_steps=2
-Writes run.run_dir: metrics.jsonl, tensorboard/, curves.png, checkpoints/, hf/, logs/.
+Writes run.run_dir: config.resolved.json, metrics.jsonl, curves.png, tensorboard/, checkpoints/, hf/, logs/.
 """
 
 STOP_GRACE_S = 30.0
@@ -45,48 +48,33 @@ REGISTERED_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) actor INF
 EXCEPTION_LINE = re.compile(r"^\[rank\d+\]: [\w.]*(Error|Exception|Stalled)\w*: ")
 
 
-def _die_with_parent() -> None:
-    """Child pre-exec: new session (own process group) + SIGTERM when the launcher dies (not on
-    Linux: the Ctrl-C handling below still cleans up)."""
-    os.setsid()
-    signal_on_parent_death(signal.SIGTERM)
-
-
 class Child:
     def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "ab")
-        env = {**os.environ, **service_env(), **(env or {})}
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, env=env,
-                                     preexec_fn=_die_with_parent)
+        # A session of its own (its process group is killed as one), and SIGTERM when the launcher dies.
+        self.proc = spawn(argv, lambda: signal_on_parent_death(signal.SIGTERM), env, start_new_session=True,
+                          stdout=self._log, stderr=subprocess.STDOUT)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def signal(self, sig: int) -> None:
-        """Send ``sig`` to the child's process group (the child and everything it started)."""
-        if self.alive():
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                pass
-
     def stop(self, grace_s: float) -> int | None:
         """SIGTERM the child itself (`dapo learner` forwards it to its ranks, which write a final
         checkpoint; signalling torchrun directly would make it exit 1), wait up to grace_s, then
-        SIGKILL the child's whole process group."""
+        SIGKILL the child's whole process group (torchrun's workers share it: none survives)."""
         if self.alive():
             self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            self.signal(signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        try:  # torchrun's workers share the group: make sure none survives the parent
+            pass
+        try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        self.proc.wait(timeout=10)
         self._log.close()
         return self.proc.returncode
 
@@ -121,10 +109,7 @@ class Progress:
         return new
 
     def last(self, key: str) -> float | None:
-        for rec in reversed(self.records):
-            if key in rec:
-                return float(rec[key])
-        return None
+        return progress_last(self.records, key)
 
     def postfix(self, rec: dict) -> str:
         def fmt(key: str, spec: str) -> str:
@@ -136,9 +121,6 @@ class Progress:
                 f"stale={fmt('staleness/mean_steps', '.2f')} tok/s={fmt('throughput/tokens_per_s', '.0f')} "
                 f"actors={fmt('actors/alive', '.0f')}")
 
-    def close(self) -> None:
-        self.bar.close()
-
 
 def main(argv: list[str] | None = None) -> int:
     apply_service_env()
@@ -147,43 +129,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides (see `dapo config`)")
     args = parser.parse_args(argv)
     started_unix_s = time.time()
-
-    from dapo.config import ConfigError, load_config, to_dict, to_overrides
-    from dapo.tiny import resolve_model_path
-
-    try:
-        cfg = load_config(args.overrides)
-    except ConfigError as exc:
-        print(f"dapo run: {exc}", file=sys.stderr)
-        return 2
+    cfg, config_path = prepare(args.overrides)
     run_dir = Path(cfg.run.run_dir)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    for stale in ("metrics.jsonl", "trained_prompts.jsonl"):
-        (run_dir / stale).unlink(missing_ok=True)  # a fresh run never mixes with an old one
-    print(f"dapo run: preparing model {cfg.model.path} ...", file=sys.stderr)
-    cfg = replace(cfg, model=replace(cfg.model, path=str(resolve_model_path(cfg))))
-    cfg = with_free_ports(cfg)
-
-    overrides = to_overrides(cfg)
-    children: list[Child] = []
+    overrides = to_overrides(cfg)  # the actors compose their own config (a user starts them by hand too)
     stop = {"why": ""}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: stop.update(why=signal.Signals(signum).name))
 
-    def on_signal(signum: int, _frame: object) -> None:
-        stop["why"] = signal.Signals(signum).name
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
-
-    learner_argv, learner_env = learner_command(cfg, overrides)
+    learner_argv, learner_env = learner_command(cfg.learner.num_ranks, config_path)
     learner = Child("learner", learner_argv, run_dir / "logs", learner_env)
-    children.append(learner)
     # The ports are known before the learner is up: actors start now and register as soon as the
     # coordinator answers (they retry while it does not), instead of waiting for it to be ready.
     addr = f"{_connect_host(cfg.transport.host)}:{cfg.transport.grpc_port}"
     actors = [Child(f"actor{i}", [sys.executable, "-m", "actors", "--learner", addr, *overrides,
                                   f"actor.seed={cfg.actor.seed + i}"], run_dir / "logs")
               for i in range(cfg.run.num_actors)]
-    children += actors
     spawned_unix_s = time.time()
     print(f"dapo run: learner pid {learner.proc.pid}, actors {[a.proc.pid for a in actors]}; "
           f"logs in {run_dir / 'logs'}", file=sys.stderr)
@@ -217,13 +177,24 @@ def main(argv: list[str] | None = None) -> int:
             child.stop(STOP_GRACE_S)
         learner_rc = learner.stop(STOP_GRACE_S)
         progress.poll()
-        progress.close()
+        progress.bar.close()
     print(f"dapo run: stopped: {stop['why']}", file=sys.stderr)
     if learner_rc not in (0, None) and not stop["why"].startswith(("SIG", "run.", "eval/")):
         print(f"dapo run: the learner failed; the end of {learner.log_path}:\n{_error_tail(learner.log_path)}",
               file=sys.stderr)
-    (run_dir / "config.resolved.json").write_text(json.dumps(to_dict(cfg), indent=2))
     return _finish(run_dir, progress.records, cfg, learner_rc, started_unix_s)
+
+
+def prepare(overrides: list[str]) -> tuple[DapoConfig, Path]:
+    """The run's config, composed once and completed (the model folder, a free port for each port
+    given as 0), and the file it was written to for the learner; a fresh run folder."""
+    cfg = resolve_config("dapo run", overrides)
+    run_dir = Path(cfg.run.run_dir)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    for stale in ("metrics.jsonl", "trained_prompts.jsonl"):
+        (run_dir / stale).unlink(missing_ok=True)  # a fresh run never mixes with an old one
+    cfg = with_free_ports(cfg)
+    return cfg, save_resolved(cfg)
 
 
 def _finish(run_dir: Path, records: list[dict], cfg, learner_rc: int | None, started_unix_s: float) -> int:
@@ -232,12 +203,11 @@ def _finish(run_dir: Path, records: list[dict], cfg, learner_rc: int | None, sta
     if records:
         png = plot_run(records, run_dir / "curves.png", title=f"dapo run — {cfg.algorithm.name}")
         print(f"dapo run: curves in {png}", file=sys.stderr)
-    ckpts = sorted((run_dir / "checkpoints").glob("step_*"), key=lambda p: int(p.name.split("_")[1]))
-    if ckpts:
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt:
         out = run_dir / "hf"
-        rc = subprocess.call([sys.executable, "-m", "learner.export", str(ckpts[-1]), str(out)],
-                             env={**os.environ, **service_env()})
-        print(f"dapo run: HF export of {ckpts[-1].name} in {out}" if rc == 0
+        rc = spawn([sys.executable, "-m", "learner.export", str(ckpt), str(out)], None).wait()
+        print(f"dapo run: HF export of {ckpt.name} in {out}" if rc == 0
               else f"dapo run: export failed (exit {rc})", file=sys.stderr)
     if records:  # the last line: what a user looks for first
         print(target_line(records, cfg.run.target_accuracy, started_unix_s), file=sys.stderr)
@@ -264,18 +234,11 @@ def with_free_ports(cfg):
     chosen, holders = {section: {} for section in PORT_KEYS}, []
     for section, keys in PORT_KEYS.items():
         for key in (k for k in keys if getattr(getattr(cfg, section), k) == 0):
-            holders.append(_reserve_port(_connect_host(cfg.transport.host)))  # held: no two keys share a port
+            holders.append(reserve_port(_connect_host(cfg.transport.host)))  # held: no two keys share a port
             chosen[section][key] = holders[-1].getsockname()[1]
     for sock in holders:
         sock.close()
     return replace(cfg, **{section: replace(getattr(cfg, section), **ports) for section, ports in chosen.items()})
-
-
-def _reserve_port(host: str) -> socket.socket:
-    """A TCP socket bound to a free port on ``host``; closing it frees the port for the learner."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind((host, 0))
-    return sock
 
 
 def _connect_host(host: str) -> str:
@@ -283,18 +246,18 @@ def _connect_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
-def learner_command(cfg, overrides: list[str]) -> tuple[list[str], dict[str, str]]:
-    """(argv, extra env) of the learner. One rank runs ``learner.main`` directly with the
-    environment torchrun would give it: torchrun is a whole Python process with its own torch import
-    (~2 s of CPU on a 2-core machine, before the rank even starts) that only waits on one child.
-    Several ranks go through ``python -m learner`` (torchrun, signal forwarding)."""
-    if cfg.learner.num_ranks > 1:
-        return [sys.executable, "-m", "learner", *overrides], {}
-    with _reserve_port("127.0.0.1") as master:
+def learner_command(num_ranks: int, config_path: Path) -> tuple[list[str], dict[str, str]]:
+    """(argv, extra env) of the learner, given the resolved config. One rank runs ``learner.main``
+    directly with the environment torchrun would give it: torchrun is a whole Python process with its
+    own torch import (~2 s of CPU on a 2-core machine, before the rank even starts) that only waits on
+    one child. Several ranks go through ``dapo learner`` (torchrun, signal forwarding)."""
+    if num_ranks > 1:
+        return [sys.executable, "-m", "dapo.launch.learner_pool", "--config", str(config_path)], {}
+    with reserve_port("127.0.0.1") as master:
         port = master.getsockname()[1]
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    return [sys.executable, "-m", "learner.main", *overrides], env
+    return [sys.executable, "-m", "learner.main", "--config", str(config_path)], env
 
 
 def startup_breakdown(run_dir: Path, records: list[dict], started_unix_s: float, spawned_unix_s: float) -> str:
@@ -303,19 +266,11 @@ def startup_breakdown(run_dir: Path, records: list[dict], started_unix_s: float,
         return "-" if t is None else f"{t - started_unix_s:.1f} s"
 
     ready = next((r["unix_time_s"] for r in records if r.get("step") == 0 and "unix_time_s" in r), None)
-    registered = []
-    for log in sorted((run_dir / "logs").glob("actor*.log")):
-        found = REGISTERED_LINE.search(log.read_text(errors="replace"))
-        if found:
-            registered.append(time.mktime(time.strptime(found.group(1)[:19], "%Y-%m-%d %H:%M:%S"))
-                              + int(found.group(1)[20:]) / 1000)
-    first_group = None
-    for path in (run_dir / "logs").glob("generations-*.jsonl"):
-        with open(path) as f:
-            line = f.readline()
-        if line.endswith("\n"):
-            t = json.loads(line)["unix_time_s"]
-            first_group = t if first_group is None else min(first_group, t)
+    logs = [log.read_text(errors="replace") for log in (run_dir / "logs").glob("actor*.log")]
+    registered = [datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                  for found in map(REGISTERED_LINE.search, logs) if found]
+    heads = [path.read_text().split("\n", 1) for path in (run_dir / "logs").glob("generations-*.jsonl")]
+    first_group = min((json.loads(h[0])["unix_time_s"] for h in heads if len(h) == 2), default=None)
     first_step = next((r["unix_time_s"] for r in records if "time/step_s" in r), None)
     return (f"dapo run: start-up: children started {at(spawned_unix_s)}, learner serving version 0 {at(ready)}, "
             f"first actor registered {at(min(registered, default=None))}, first lease generated {at(first_group)}, "

@@ -1,21 +1,23 @@
-"""``python -m learner [torchrun flags] [hydra overrides]`` == ``dapo learner ...``.
-
-Runs torchrun with ``--nproc-per-node=learner.num_ranks`` as a child; each rank runs
-``learner.main``. torchrun's own multi-node flags pass through unchanged. SIGTERM/SIGINT are
-forwarded to the ranks (graceful stop with a final checkpoint, exit 0); a second one kills the
-ranks and torchrun at once. A bind beyond loopback with the default auth token is refused here,
-before anything starts.
+"""``dapo learner [torchrun flags] [hydra overrides]``: composes the config once, writes it to
+``<run.run_dir>/config.resolved.json`` and runs torchrun with ``--nproc-per-node=learner.num_ranks``
+as a child; each rank runs ``learner.main --config`` that file. torchrun's own multi-node flags pass
+through unchanged. SIGTERM/SIGINT are forwarded to the ranks (graceful stop with a final checkpoint,
+exit 0); a second one kills the ranks and torchrun at once. A bind beyond loopback with the default
+auth token is refused here, before anything starts.
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
 import signal
 import subprocess
 import sys
 
+from dapo.config import DapoConfig, save_resolved
+from dapo.launch import die_with_parent, kill_tree, latest_checkpoint, resolve_config, spawn
+
 HELP = """\
-usage: dapo learner [TORCHRUN FLAGS] [HYDRA OVERRIDES]
+usage: dapo learner [TORCHRUN FLAGS] [--shell-exit-codes] [HYDRA OVERRIDES | --config FILE]
 
 Start the learner pool: learner.num_ranks ranks under torchrun (FSDP2; gloo on CPU, NCCL on GPU).
 Rank 0 also serves the coordinator (gRPC, transport.grpc_port), the replay queue (ZeroMQ PULL,
@@ -27,6 +29,7 @@ Examples:
   dapo learner learner.num_ranks=2 learner.total_steps=50 run.run_dir=runs/a
   dapo learner learner.resume=latest run.run_dir=runs/a          # continue a killed run
   dapo learner transport.host=0.0.0.0 transport.auth_token=SECRET  # accept remote actors
+  dapo learner --config runs/a/config.resolved.json  # an earlier run's resolved config, no overrides
 Multi-node (torchrun's flags, given before the overrides):
   dapo learner --nnodes=2 --node-rank=0 --rdzv-endpoint=HOST:29400 --rdzv-id=run1 learner.num_ranks=8
   (learner.num_ranks is the ranks per node; only global rank 0 serves actors.)
@@ -41,26 +44,23 @@ Security: with transport.host other than loopback (127.x, localhost, ::1) the de
 transport.auth_token is refused at start-up; generate one with
   python -c "import secrets; print(secrets.token_hex(16))"
 
-Writes run.run_dir: metrics.jsonl, trained_prompts.jsonl, tensorboard/, checkpoints/step_<N>/.
+Writes run.run_dir: config.resolved.json, metrics.jsonl, trained_prompts.jsonl, tensorboard/, checkpoints/.
 Every key is documented in dapo/config.py; `dapo config [overrides]` prints the resolved config.
 """
 
-# torchrun flags that take a value (given as --flag VALUE or --flag=VALUE).
-TORCHRUN_VALUE_FLAGS = {"--nnodes", "--node-rank", "--node_rank", "--rdzv-endpoint", "--rdzv_endpoint",
-                        "--rdzv-id", "--rdzv_id", "--rdzv-backend", "--rdzv_backend", "--rdzv-conf", "--rdzv_conf",
-                        "--master-addr", "--master_addr", "--master-port", "--master_port", "--max-restarts",
-                        "--max_restarts", "--monitor-interval", "--monitor_interval", "--log-dir", "--log_dir",
-                        "--redirects", "--tee", "--local-addr", "--local_addr", "--signals-to-handle",
-                        "--signals_to_handle"}
+# torchrun flags that take a value (given as --flag VALUE or --flag=VALUE; torchrun takes '_' for '-').
+TORCHRUN_VALUE_FLAGS = {"--nnodes", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--rdzv-backend", "--rdzv-conf",
+                        "--master-addr", "--master-port", "--max-restarts", "--monitor-interval", "--log-dir",
+                        "--redirects", "--tee", "--local-addr", "--signals-to-handle"}
 TORCHRUN_SWITCHES = {"--standalone"}
 
 
-def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    """(torchrun flags, hydra overrides)."""
-    torchrun, overrides, i = [], [], 0
+def split_args(argv: list[str]) -> tuple[list[str], list[str], str]:
+    """(torchrun flags, hydra overrides, the --config file or '')."""
+    torchrun, overrides, config, i = [], [], "", 0
     while i < len(argv):
         arg = argv[i]
-        name = arg.split("=", 1)[0]
+        name = arg.split("=", 1)[0].replace("_", "-")
         if name in TORCHRUN_SWITCHES:
             torchrun.append(arg)
         elif name in TORCHRUN_VALUE_FLAGS:
@@ -68,13 +68,18 @@ def split_args(argv: list[str]) -> tuple[list[str], list[str]]:
             if "=" not in arg:
                 torchrun.append(argv[i + 1])
                 i += 1
+        elif name == "--config":
+            config = arg.split("=", 1)[1] if "=" in arg else argv[i + 1]
+            i += "=" not in arg
         elif arg.startswith("--"):
             raise SystemExit(f"dapo learner: unknown flag {arg!r}; torchrun flags: "
                              f"{sorted(TORCHRUN_VALUE_FLAGS | TORCHRUN_SWITCHES)}; see --help")
         else:
             overrides.append(arg)
         i += 1
-    return torchrun, overrides
+    if config and overrides:
+        raise SystemExit(f"dapo learner: --config {config} is the whole config; drop the overrides {overrides}")
+    return torchrun, overrides, config
 
 
 SHELL_EXIT_CODES = "--shell-exit-codes"
@@ -91,35 +96,27 @@ def main() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: received.append(signum))
     shell_exit_codes = SHELL_EXIT_CODES in argv
-    argv = [a for a in argv if a != SHELL_EXIT_CODES]
-    from dapo.config import ConfigError, load_config, public_bind_error
-    from dapo.runtime import service_env
-
-    torchrun, overrides = split_args(argv)
-    try:
-        cfg = load_config(overrides)
-    except ConfigError as exc:
-        print(f"dapo learner: {exc}", file=sys.stderr)
-        raise SystemExit(2)
-    refusal = public_bind_error(cfg.transport)
-    if refusal:
-        print(f"dapo learner: {refusal}", file=sys.stderr)
-        raise SystemExit(2)
+    torchrun, overrides, config = split_args([a for a in argv if a != SHELL_EXIT_CODES])
+    cfg = resolve_config("dapo learner", overrides, config)
     if received:
-        print(f"dapo learner: stopped ({signal_name(received[0])}) before starting anything", flush=True)
+        print(f"dapo learner: stopped ({signal.Signals(received[0]).name}) before starting anything", flush=True)
         raise SystemExit(128 + received[0] if shell_exit_codes else 0)
-    if not any(a.split("=")[0] in ("--nnodes", "--rdzv-endpoint", "--rdzv_endpoint", "--master-addr",
-                                   "--master_addr") for a in torchrun):
-        torchrun.append("--standalone")  # single node: torchrun picks a free rendezvous port itself
-    if not any(a.split("=")[0] in ("--signals-to-handle", "--signals_to_handle") for a in torchrun):
-        torchrun.append("--signals-to-handle=SIGHUP,SIGQUIT")  # not SIGINT/SIGTERM: see run_torchrun
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.learner.num_ranks}", *torchrun,
-           "-m", "learner.main", *overrides]
-    rc = run_torchrun(cmd, {**os.environ, **service_env()}, received, cfg.run.run_dir)
+    rc = run_torchrun(torchrun_command(cfg, torchrun), received, cfg.run.run_dir)
     raise SystemExit(128 + received[0] if received and rc == 0 and shell_exit_codes else rc)
 
 
-def run_torchrun(cmd: list[str], env: dict[str, str], received: list[int], run_dir: str) -> int:
+def torchrun_command(cfg: DapoConfig, torchrun: list[str]) -> list[str]:
+    """torchrun, its ranks running ``learner.main --config`` the resolved config (written now)."""
+    given = {a.split("=")[0].replace("_", "-") for a in torchrun}
+    if not given & {"--nnodes", "--rdzv-endpoint", "--master-addr"}:
+        torchrun = [*torchrun, "--standalone"]  # single node: torchrun picks a free rendezvous port itself
+    if "--signals-to-handle" not in given:
+        torchrun = [*torchrun, "--signals-to-handle=SIGHUP,SIGQUIT"]  # not SIGINT/SIGTERM: see run_torchrun
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={cfg.learner.num_ranks}", *torchrun,
+            "-m", "learner.main", "--config", str(save_resolved(cfg))]
+
+
+def run_torchrun(cmd: list[str], received: list[int], run_dir: str) -> int:
     """Run torchrun as a child; a SIGTERM/SIGINT (appended to ``received`` by main's handler) goes
     to the ranks themselves, a second one kills everything at once (exit 1).
 
@@ -131,14 +128,12 @@ def run_torchrun(cmd: list[str], env: dict[str, str], received: list[int], run_d
     exits 0. torchrun dies with this process (PR_SET_PDEATHSIG), and the ranks die with torchrun
     (learner.main), so a kill -9 here leaves nothing behind.
     """
-    from dapo.runtime import die_with_parent
-
     def preexec() -> None:
         die_with_parent()
         for sig in (signal.SIGINT, signal.SIGTERM):  # ignored dispositions survive exec
             signal.signal(sig, signal.SIG_IGN)
 
-    proc = subprocess.Popen(cmd, env=env, preexec_fn=preexec)
+    proc = spawn(cmd, preexec)
     signalled: set[int] = set()
     while True:
         try:
@@ -164,10 +159,8 @@ def forward(proc: subprocess.Popen, signum: int, signalled: set[int]) -> None:
     for rank in ranks:
         if rank.pid in signalled or not catches(rank.pid, signum):
             continue
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             rank.send_signal(signum)
-        except psutil.NoSuchProcess:
-            pass
         signalled.add(rank.pid)
 
 
@@ -183,30 +176,11 @@ def catches(pid: int, signum: int) -> bool:
 
 def kill_now(proc: subprocess.Popen, signum: int, run_dir: str) -> int:
     """Second signal: SIGKILL torchrun and every rank now; one line; exit 1 (nothing was saved)."""
-    import psutil
-
-    from learner.checkpoint import latest_checkpoint
-
-    try:
-        procs = [psutil.Process(proc.pid)]
-        procs += procs[0].children(recursive=True)
-    except psutil.NoSuchProcess:
-        procs = []
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs, timeout=10)
+    ranks = kill_tree(proc.pid)
     proc.wait()
-    latest = latest_checkpoint(run_dir)
-    print(f"dapo learner: stopped at once (second {signal_name(signum)}): killed torchrun and {len(procs) - 1} "
-          f"rank process(es); no final checkpoint (latest: {latest or 'none'})", flush=True)
+    print(f"dapo learner: stopped at once (second {signal.Signals(signum).name}): killed torchrun and {ranks} "
+          f"rank process(es); no final checkpoint (latest: {latest_checkpoint(run_dir) or 'none'})", flush=True)
     return 1
-
-
-def signal_name(signum: int) -> str:
-    return signal.Signals(signum).name
 
 
 if __name__ == "__main__":

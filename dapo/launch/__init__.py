@@ -1,0 +1,89 @@
+"""``dapo run`` (run.py), ``dapo learner`` (learner_pool.py), ``dapo sweep`` (sweep.py), and what they share:
+the config, composed once, child processes and ports. The one part of ``dapo`` that starts processes; it starts
+the services as commands, never importing them (they call ``die_with_parent`` and the like on themselves)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable
+
+from dapo.config import DapoConfig, load_config, load_resolved, public_bind_error
+from dapo.runtime import service_env
+from dapo.tiny import resolve_model_path
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def signal_on_parent_death(sig: int) -> bool:
+    """The kernel sends ``sig`` to this process when its parent dies (even by SIGKILL): no child outlives
+    what started it. Call it in the child (a ``preexec_fn``, or first in ``main``); False without prctl (not Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+    except OSError:
+        return False
+    return True
+
+
+def die_with_parent() -> None:
+    """A learner rank (or the torchrun under ``dapo learner``): SIGKILL when the parent dies. torchrun
+    starts ranks in sessions of their own: after a kill -9 of torchrun they would live on holding the
+    learner's ports, so a resumed learner could not bind."""
+    if signal_on_parent_death(signal.SIGKILL) and os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def spawn(argv: list[str], preexec: Callable | None, env: dict | None = None, **popen: Any) -> subprocess.Popen:
+    """Start ``argv`` with the services' environment (``service_env``, then ``env``)."""
+    return subprocess.Popen(argv, env={**os.environ, **service_env(), **(env or {})}, preexec_fn=preexec, **popen)
+
+
+def kill_tree(pid: int) -> int:
+    """SIGKILL ``pid`` and its descendants (by PID: torchrun's ranks have sessions of their own); their count."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        return 0
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(procs, timeout=10)
+    return len(procs) - 1
+
+
+def reserve_port(host: str) -> socket.socket:
+    """A TCP socket bound to a free port on ``host``; closing it frees the port for the service."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((host, 0))
+    return sock
+
+
+def resolve_config(prog: str, overrides: list[str], config_path: str | None = None) -> DapoConfig:
+    """The config composed from ``overrides`` (the run's one Hydra compose) or read from ``config_path``, with
+    ``model.path`` a folder (builtin:tiny built here). Exits 2 saying why: invalid, or public with the default token."""
+    try:
+        cfg = load_resolved(config_path) if config_path else load_config(overrides)
+        if not (refusal := public_bind_error(cfg.transport)):
+            cfg = replace(cfg, model=replace(cfg.model, path=str(resolve_model_path(cfg))))
+    except (ValueError, OSError) as exc:  # ConfigError, or a model.path that is no model
+        refusal = str(exc)
+    if refusal:
+        print(f"{prog}: {refusal}", file=sys.stderr)
+        raise SystemExit(2)
+    return cfg
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest ``<run_dir>/checkpoints/step_<N>`` (the learner's layout), or None."""
+    found = [p for p in Path(run_dir, "checkpoints").glob("step_*") if p.name[5:].isdigit()]
+    return max(found, key=lambda p: int(p.name[5:]), default=None)

@@ -1,0 +1,115 @@
+"""dapo.launch: a run's config is composed once, by the launcher, and the learner ranks get exactly
+that config from the file it wrote; the `dapo learner` argument split; refusals before anything starts."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+import dapo.config
+from dapo.config import ConfigError, load_config, load_resolved, save_resolved
+from dapo.launch import learner_pool, resolve_config, run
+from learner.main import read_config
+
+OVERRIDES = ["algorithm=grpo", "algorithm.max_staleness_steps=2", "learner.total_steps=7", "transport.grpc_port=0",
+             "transport.zmq_port=0"]
+
+
+@pytest.fixture
+def composes(monkeypatch) -> list[list[str]]:
+    """The overrides of every Hydra composition from here on."""
+    calls, compose = [], dapo.config.compose
+
+    def counted(overrides=()):
+        calls.append(list(overrides))
+        return compose(overrides)
+
+    monkeypatch.setattr(dapo.config, "compose", counted)
+    return calls
+
+
+def rank_argv(cmd: list[str]) -> list[str]:
+    """What a learner rank is started with: the arguments after ``-m learner.main``."""
+    assert cmd[cmd.index("learner.main") - 1] == "-m"
+    return cmd[cmd.index("learner.main") + 1:]
+
+
+def test_dapo_run_hands_its_learner_the_config_it_composed_once(tmp_path, composes):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    cfg, path = run.prepare([*OVERRIDES, f"model.path={model}", f"run.run_dir={tmp_path / 'run'}"])
+    assert path == tmp_path / "run" / "config.resolved.json"
+    # Completed by the launcher after composing: the ranks must see these values, not port 0.
+    assert cfg.transport.grpc_port > 0 and cfg.transport.zmq_port > 0 and cfg.model.path == str(model)
+    one_rank, _ = run.learner_command(1, path)
+    assert read_config(rank_argv(one_rank)) == cfg
+    pool, _ = run.learner_command(2, path)  # `dapo learner --config FILE`, then torchrun
+    assert pool[:3] == [sys.executable, "-m", "dapo.launch.learner_pool"]
+    torchrun, overrides, config = learner_pool.split_args(pool[3:])
+    assert (torchrun, overrides, config) == ([], [], str(path))
+    pool_cfg = resolve_config("dapo learner", overrides, config)
+    assert read_config(rank_argv(learner_pool.torchrun_command(pool_cfg, torchrun))) == cfg
+    assert len(composes) == 1
+
+
+def test_dapo_learner_composes_once_and_its_ranks_read_that_config(tmp_path, composes):
+    overrides = [*OVERRIDES, f"run.run_dir={tmp_path / 'run'}"]
+    torchrun, rest, config = learner_pool.split_args(["--nnodes=1", *overrides])
+    cfg = resolve_config("dapo learner", rest, config)
+    cmd = learner_pool.torchrun_command(cfg, torchrun)
+    assert cmd[cmd.index("torch.distributed.run") + 1:][:3] == ["--nproc-per-node=1", "--nnodes=1",
+                                                                 "--signals-to-handle=SIGHUP,SIGQUIT"]
+    assert rank_argv(cmd) == ["--config", str(tmp_path / "run" / "config.resolved.json")]
+    assert read_config(rank_argv(cmd)) == cfg
+    assert composes == [rest]
+    multi_node = learner_pool.torchrun_command(cfg, ["--master_addr=h", "--signals_to_handle=SIGHUP"])
+    assert "--standalone" not in multi_node and not any(a.startswith("--signals-to-handle") for a in multi_node)
+    saved = json.loads((tmp_path / "run" / "config.resolved.json").read_text())
+    assert (saved["algorithm"]["name"], saved["algorithm"]["max_staleness_steps"], saved["learner"]["total_steps"],
+            saved["transport"]["grpc_port"]) == ("grpo", 2, 7, 0)
+
+
+def test_a_resolved_config_reads_back_exactly_and_a_bad_one_names_what_is_wrong(tmp_path):
+    cfg = load_config(["algorithm=dr_grpo", "algorithm.clip_c=3", "algorithm.tis_cap=null", "model.path=/m",
+                       "learner.lr=3e-7", f"run.run_dir={tmp_path}"])
+    path = save_resolved(cfg)
+    assert load_resolved(path) == cfg and load_resolved(path) != load_config([f"run.run_dir={tmp_path}"])
+    good = json.loads(path.read_text())
+    for bad, match in [({**good, "algorithm": {**good["algorithm"], "eps_hihg": 0.3}}, "eps_hihg"),
+                       ({k: v for k, v in good.items() if k != "learner"}, "learner"),
+                       ({**good, "algorithm": {**good["algorithm"], "num_samples_per_prompt": 1}},
+                        "algorithm.num_samples_per_prompt")]:
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ConfigError, match=match):
+            load_resolved(path)
+    path.write_text('{"model": ')
+    with pytest.raises(ConfigError, match="not a config written by `dapo run` or `dapo learner`"):
+        load_resolved(path)
+
+
+def test_dapo_learner_splits_torchrun_flags_overrides_and_its_config_file():
+    split = learner_pool.split_args
+    assert split(["--nnodes=2", "--node-rank", "1", "--rdzv-endpoint", "h:29400", "learner.num_ranks=4",
+                  "run.run_dir=x"]) == (["--nnodes=2", "--node-rank", "1", "--rdzv-endpoint", "h:29400"],
+                                        ["learner.num_ranks=4", "run.run_dir=x"], "")
+    assert split(["--config", "a.json", "--nnodes=2"]) == (["--nnodes=2"], [], "a.json")
+    assert split(["--config=a.json"]) == ([], [], "a.json")
+    assert split(["--node_rank", "1", "--master_addr=h"]) == (["--node_rank", "1", "--master_addr=h"], [], "")
+    with pytest.raises(SystemExit, match="unknown flag '--bogus'"):
+        split(["--bogus"])
+    with pytest.raises(SystemExit, match="--config a.json is the whole config; drop the overrides"):
+        split(["--config", "a.json", "learner.total_steps=3"])
+
+
+@pytest.mark.parametrize("override, says", [
+    ("algorithm.eps_low=abc", "dapo run: invalid config override"),
+    ("transport.host=0.0.0.0", "dapo run: transport.host=0.0.0.0 accepts connections from other machines")])
+def test_dapo_run_refuses_a_bad_config_before_it_writes_anything(tmp_path, capsys, override, says):
+    with pytest.raises(SystemExit) as exit_:
+        run.prepare([override, f"run.run_dir={tmp_path / 'run'}"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.startswith(says)
+    assert not (tmp_path / "run").exists()
