@@ -23,7 +23,6 @@ import importlib
 import logging
 import os
 import select
-import signal
 import subprocess
 import sys
 import time
@@ -32,7 +31,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-from dapo.launch import signal_on_parent_death
+from dapo.launch import die_with_parent
 from dapo.rewards import SCORE_FN, UnknownDataSource
 
 log = logging.getLogger(__name__)
@@ -215,14 +214,6 @@ def _worker_main(score_fn: str) -> None:
             out.write(msgpack.packb(reply))
 
 
-def _die_with_parent() -> None:
-    """A worker stuck in a hanging verifier never reads its closed stdin: have the kernel kill it
-    when the actor dies (even by SIGKILL), so no worker outlives its actor."""
-    parent = int(os.environ.get(PARENT_PID_ENV, os.getppid()))
-    if signal_on_parent_death(signal.SIGKILL) and os.getppid() != parent:  # the actor died before prctl took effect
-        os._exit(1)
-
-
 if __name__ == "__main__":
-    _die_with_parent()
+    die_with_parent(int(os.environ[PARENT_PID_ENV]) if PARENT_PID_ENV in os.environ else None)
     _worker_main(sys.argv[1] if len(sys.argv) > 1 else SCORE_FN)

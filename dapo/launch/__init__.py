@@ -32,11 +32,14 @@ def signal_on_parent_death(sig: int) -> bool:
     return True
 
 
-def die_with_parent() -> None:
-    """A learner rank (or the torchrun under ``dapo learner``): SIGKILL when the parent dies. torchrun
-    starts ranks in sessions of their own: after a kill -9 of torchrun they would live on holding the
-    learner's ports, so a resumed learner could not bind."""
-    if signal_on_parent_death(signal.SIGKILL) and os.getppid() == 1:  # the parent died before prctl took effect
+def die_with_parent(parent: int | None = None) -> None:
+    """SIGKILL this process when its parent dies, and exit now if it already has (``parent``: its
+    PID when known, else a reparented process sees PID 1). Learner ranks and torchrun: torchrun starts
+    ranks in sessions of their own, so after a kill -9 of torchrun they would live on holding the
+    learner's ports. A verifier worker stuck in a hanging verifier never reads its closed stdin."""
+    if not signal_on_parent_death(signal.SIGKILL):
+        return
+    if os.getppid() == 1 or parent is not None and os.getppid() != parent:  # it died before prctl took effect
         os._exit(1)
 
 
