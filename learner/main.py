@@ -39,10 +39,7 @@ def main(argv: list[str]) -> int:
 
     model_path = Path(cfg.model.path)  # a folder: the launcher built the tiny model (builtin:tiny) once
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa")
-    settings = TrainerSettings.from_config(cfg.learner, cfg.algorithm, temperature=cfg.actor.temperature,
-                                           max_response_tokens=cfg.actor.max_response_tokens,
-                                           model_dtype=cfg.model.dtype)
-    trainer = Trainer(model, settings, device)
+    trainer = Trainer(model, TrainerSettings.from_config(cfg), device)
     resume = checkpoint.resolve_resume(cfg.learner.resume, cfg.run.run_dir)
     run_state = checkpoint.load(resume, trainer.model, trainer.optimizer, trainer.scheduler) if resume else {}
     start_step = int(run_state.get("step", 0))

@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from dapo.algorithm import loss_kwargs, policy_loss
-from dapo.config import AlgorithmConfig, LearnerConfig
+from dapo.config import AlgorithmConfig, DapoConfig, LearnerConfig
 from learner.batch import PackedMicroBatch, RankShard
 from learner.logprobs import LogprobHead, install_logprob_head
 
@@ -58,10 +58,9 @@ class TrainerSettings:
     """Compute dtype of forward/backward; master weights and optimizer state stay float32."""
 
     @staticmethod
-    def from_config(learner: LearnerConfig, algorithm: AlgorithmConfig, *, temperature: float,
-                    max_response_tokens: int, model_dtype: str) -> "TrainerSettings":
-        return TrainerSettings(learner, algorithm, temperature, float(max_response_tokens),
-                               torch.bfloat16 if model_dtype == "bfloat16" else torch.float32)
+    def from_config(cfg: DapoConfig) -> "TrainerSettings":
+        return TrainerSettings(cfg.learner, cfg.algorithm, cfg.actor.temperature, float(cfg.actor.max_response_tokens),
+                               torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32)
 
 
 def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -137,9 +137,7 @@ def _learner_rank(rank: int, init_file: str, out_file: str) -> None:
     path = tiny.ensure_tiny_model(CACHE_DIR, seed=0, progress=False)
     tok = AutoTokenizer.from_pretrained(path)
     torch.manual_seed(cfg.learner.seed)
-    settings = TrainerSettings.from_config(cfg.learner, cfg.algorithm, temperature=cfg.actor.temperature,
-                                           max_response_tokens=cfg.actor.max_response_tokens,
-                                           model_dtype=cfg.model.dtype)
+    settings = TrainerSettings.from_config(cfg)
     trainer = Trainer(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa"),
                       settings, torch.device("cpu"))
     sampler = Sampler(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), tok,
