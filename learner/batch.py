@@ -209,8 +209,7 @@ def plan(batch: SampleBatch, *, num_minibatches: int, world_size: int, max_token
                          f"algorithm.num_prompts_per_step")
     groups_per_mb = max(num_groups // num_minibatches, 1)
     minibatch = batch.group_index // groups_per_mb
-    rank = torch.zeros_like(minibatch)
-    micro = torch.zeros_like(minibatch)
+    rank, micro = torch.zeros_like(minibatch), torch.zeros_like(minibatch)
     lens = batch.seq_lens.tolist()
     num_micro = 1
     for m in range(num_minibatches):

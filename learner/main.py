@@ -33,7 +33,6 @@ def main(argv: list[str]) -> int:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             timeout=timedelta(seconds=cfg.learner.collective_timeout_s))
-    rank = dist.get_rank()
     torch.manual_seed(cfg.learner.seed)  # identical on all ranks: FSDP2 does not sync initial values
     from transformers import AutoModelForCausalLM
 
@@ -43,7 +42,7 @@ def main(argv: list[str]) -> int:
     resume = checkpoint.resolve_resume(cfg.learner.resume, cfg.run.run_dir)
     run_state = checkpoint.load(resume, trainer.model, trainer.optimizer, trainer.scheduler) if resume else {}
     start_step = int(run_state.get("step", 0))
-    services = start_services(cfg, model_path, run_state, device) if rank == 0 else None
+    services = start_services(cfg, model_path, run_state, device) if dist.get_rank() == 0 else None
     state_dict = trainer.full_state_dict()  # version start_step, so actors can sync before step 1
     if services is not None:
         loop.publish_initial(services, state_dict, start_step)
