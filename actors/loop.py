@@ -230,7 +230,8 @@ class Actor:
                                           n=run.num_samples_per_prompt, max_tokens=run.max_response_tokens,
                                           temperature=run.temperature, top_p=run.top_p, seed=seed,
                                           chunk_tokens=self.cfg.actor.inflight_chunk_tokens if inflight else None,
-                                          between_chunks=self.update_weights if inflight else None)
+                                          between_chunks=self.update_weights if inflight else None,
+                                          reprefill=self.cfg.actor.inflight_reprefill)
         samples = [s for g in groups for s in g]
         self.metrics.add("samples_generated", len(samples))
         self.metrics.add("tokens_generated", sum(s.num_tokens for s in samples))

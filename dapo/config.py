@@ -174,10 +174,17 @@ class ActorConfig:
     prompts_per_lease: int = 4
     """Prompts asked for in one lease call (one generation batch)."""
     update_mode: str = "between_batches"
-    """When new weights load: ``between_batches`` or ``inflight`` (between decoding chunks;
-    tokens after the switch carry the new version)."""
+    """When new weights load: ``between_batches`` or ``inflight`` (between two decoding steps of a
+    batch; every token carries the version that sampled it)."""
     inflight_chunk_tokens: int = 8
-    """Decoding chunk length for ``update_mode=inflight``, in tokens."""
+    """With ``update_mode=inflight``: newer weights are looked for (and loaded) every this many
+    decoding steps, i.e. tokens of each running sample."""
+    inflight_reprefill: bool = False
+    """With ``update_mode=inflight``: false (PipelineRL's in-flight updates): running samples keep
+    the KV cache the old weights computed and continue with the new weights on top of it. True:
+    generation stops at every chunk boundary and each continued sample is re-prefilled from prompt
+    + tokens so far, so the new weights re-encode its whole context (costs 20-50 % of throughput,
+    see bench/RESULTS.md)."""
     verifier_timeout_s: float = 2.0
     """A verifier call that runs longer scores -1 and counts an error."""
     reward_fn: str = "dapo.rewards:score"

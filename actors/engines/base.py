@@ -9,10 +9,14 @@ Log-probs are those of the distribution actually sampled: temperature applied an
 ``top_p < 1``, renormalised over the nucleus (vLLM's ``processed_logprobs``). The learner's
 importance weight ``pi_prox / mu`` needs exactly this ``mu``.
 
-In-flight weight updates (``chunk_tokens``): generation runs in chunks of that many tokens;
-between chunks ``between_chunks()`` may load newer weights, and every following token carries
-the new version. A continued sample is re-prefilled from prompt + tokens so far, so its
-context is re-encoded with the weights that sample the next token.
+In-flight weight updates (``chunk_tokens``): every ``chunk_tokens`` decoding steps
+``between_chunks()`` may load newer weights, and every token records the version whose weights
+sampled it. By default (an engine with ``keeps_kv_across_loads``, as both real ones are) the
+running sequences keep their KV cache across the load and continue: their context stays encoded
+by the weights that were loaded when it was computed (PipelineRL's in-flight updates). With
+``reprefill=True`` (and on an engine without that ability) generation instead stops after each
+chunk and every continued sample is re-prefilled from prompt + tokens so far, so its whole
+context is re-encoded with the weights that sample the next token: exact, and 20-50 % slower.
 """
 
 from __future__ import annotations
@@ -57,10 +61,18 @@ class RawSample:
     logprobs: list[float] = field(default_factory=list)
     stopped: bool = False
     """True when a stop token ended the sequence."""
+    versions: list[int] | None = None
+    """Per token: the version that sampled it, from engines that load weights mid-call
+    (``keeps_kv_across_loads``); None: all tokens carry the version loaded after the call."""
 
 
 class Engine(abc.ABC):
     """Generate groups of samples; load new weights in place; report the loaded version."""
+
+    keeps_kv_across_loads = False
+    """True when ``_sample`` takes ``every_steps`` / ``between_steps``: it calls
+    ``between_steps()`` after every ``every_steps`` decoding steps while sequences are still
+    running, keeps their KV cache across a load there, and fills ``RawSample.versions``."""
 
     def __init__(self, version: int = 0) -> None:
         self.version = version
@@ -87,23 +99,37 @@ class Engine(abc.ABC):
 
     def generate(self, prompt_ids: list[list[int]], n: int, max_tokens: int, temperature: float,
                  top_p: float, seed: int, *, chunk_tokens: int | None = None,
-                 between_chunks: Callable[[], None] | None = None) -> list[list[Sample]]:
+                 between_chunks: Callable[[], None] | None = None, reprefill: bool = False) -> list[list[Sample]]:
         """Sample ``n`` responses per prompt; returns one list of ``n`` samples per prompt.
 
         ``seed``: the torch engine draws exactly the same samples for the same seed, weights and
         prompts; vLLM uses the seed it was built with (see VllmEngine._sample) and ignores it.
 
-        ``chunk_tokens``: decode in chunks of this many tokens and call ``between_chunks()``
-        after each chunk but the last (it may call ``load_weights``). ``None``: one chunk.
+        ``chunk_tokens``: call ``between_chunks()`` (it may call ``load_weights``) after every
+        ``chunk_tokens`` decoding steps while samples are still running. ``None``: never.
+        ``reprefill``: re-prefill continued samples after each chunk instead of keeping their KV
+        cache (see the module docstring).
         """
         if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
             raise ValueError(f"generate needs non-empty prompts, got lengths {[len(p) for p in prompt_ids]}")
         if n < 1 or max_tokens < 1:
             raise ValueError(f"generate needs n >= 1 and max_tokens >= 1, got n={n}, max_tokens={max_tokens}")
+        if chunk_tokens is not None and not reprefill and self.keeps_kv_across_loads:
+            raw = self._sample(prompt_ids, n, max_tokens, temperature, top_p, seed, every_steps=chunk_tokens,
+                               between_steps=between_chunks or (lambda: None))
+            return [[Sample(r.token_ids, r.logprobs, r.versions, "stop" if r.stopped else "length") for r in group]
+                    for group in raw]
+        return self._generate_reprefill(prompt_ids, n, max_tokens, temperature, top_p, seed, chunk_tokens,
+                                        between_chunks)
+
+    def _generate_reprefill(self, prompt_ids: list[list[int]], n: int, max_tokens: int, temperature: float,
+                            top_p: float, seed: int, chunk_tokens: int | None,
+                            between_chunks: Callable[[], None] | None) -> list[list[Sample]]:
+        """Decode in chunks of ``chunk_tokens``; re-prefill every continued sample after each."""
         chunk = max_tokens if chunk_tokens is None else min(chunk_tokens, max_tokens)
         first = self._sample(prompt_ids, n, chunk, temperature, top_p, seed)
         # Flat state per sample: (prompt, tokens, logprobs, versions, stopped)
-        flat = [(p, list(r.token_ids), list(r.logprobs), [self.version] * len(r.token_ids), r.stopped)
+        flat = [(p, list(r.token_ids), list(r.logprobs), r.versions or [self.version] * len(r.token_ids), r.stopped)
                 for p, group in zip(prompt_ids, first) for r in group]
         for chunk_index in range(1, -(-max_tokens // chunk)):
             open_ids = [i for i, s in enumerate(flat) if not s[4] and len(s[1]) < max_tokens]
@@ -117,8 +143,8 @@ class Engine(abc.ABC):
             more = self._sample(seqs, 1, step, temperature, top_p, seed + 1_000_003 * chunk_index)
             for i, [r] in zip(open_ids, more):
                 p, toks, lps, vers, _ = flat[i]
-                flat[i] = (p, toks + r.token_ids, lps + r.logprobs, vers + [self.version] * len(r.token_ids),
-                           r.stopped)
+                flat[i] = (p, toks + r.token_ids, lps + r.logprobs,
+                           vers + (r.versions or [self.version] * len(r.token_ids)), r.stopped)
         samples = [Sample(toks, lps, vers, "stop" if stopped else "length")
                    for _, toks, lps, vers, stopped in flat]
         return [samples[i * n:(i + 1) * n] for i in range(len(prompt_ids))]

@@ -2,13 +2,15 @@
 
 Used where vLLM cannot be installed. Same interface and same guarantees as the vLLM engine:
 log-probs of the tempered (and top-p renormalised) distribution that was sampled, stop tokens
-included in the response, in-place weight loads. Sequences are left-padded so that the last
-prompt token of every row sits in the same column; positions come from the attention mask.
+included in the response, in-place weight loads. In-flight loads (``between_steps``) happen
+between two decoding steps and the batch keeps its KV cache across them. Sequences are
+left-padded so that the last prompt token of every row sits in the same column; positions come
+from the attention mask.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -33,6 +35,8 @@ def nucleus_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> 
 
 
 class TorchEngine(Engine):
+    keeps_kv_across_loads = True
+
     def __init__(self, model_path: str, *, dtype: str = "float32", max_model_len_tokens: int = 512,
                  seed: int = 0, version: int = 0) -> None:
         super().__init__(version)
@@ -45,7 +49,8 @@ class TorchEngine(Engine):
 
     @torch.inference_mode()
     def _sample(self, sequences: list[list[int]], n: int, max_tokens: int, temperature: float,
-                top_p: float, seed: int) -> list[list[RawSample]]:
+                top_p: float, seed: int, *, every_steps: int = 0,
+                between_steps: Callable[[], None] | None = None) -> list[list[RawSample]]:
         from transformers import DynamicCache
 
         rows = [s for s in sequences for _ in range(n)]
@@ -60,10 +65,13 @@ class TorchEngine(Engine):
             mask[i, longest - len(s):] = 1
         gen = torch.Generator().manual_seed(seed)
         cache = DynamicCache()
-        out_ids, out_lps = [], []  # per step: the sampled token of each row, its log-prob
+        out_ids, out_lps, versions = [], [], []  # per step: each row's token and its log-prob; the version
         stopped = torch.zeros(len(rows), dtype=torch.bool)
         step_ids, positions = ids, (mask.cumsum(-1) - 1).clamp(min=0)
-        for _ in range(max_tokens):
+        for step in range(max_tokens):
+            if between_steps is not None and step and step % every_steps == 0:
+                between_steps()  # may load weights in place: the cache keeps the old weights' KV
+            versions.append(self.version)
             logits = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
                                 past_key_values=cache, use_cache=True).logits[:, -1]
             logp = nucleus_logprobs(logits, temperature, top_p)
@@ -81,7 +89,7 @@ class TorchEngine(Engine):
             if stopped[i]:  # cut after the first stop token (rows keep decoding in the batch)
                 end = next(j for j, t in enumerate(toks) if t in self._stop_ids.tolist()) + 1
                 toks, lps = toks[:end], lps[:end]
-            result.append(RawSample(toks, lps, stopped=bool(stopped[i])))
+            result.append(RawSample(toks, lps, stopped=bool(stopped[i]), versions=versions[:len(toks)]))
         return [result[i * n:(i + 1) * n] for i in range(len(sequences))]
 
     @torch.inference_mode()

