@@ -484,9 +484,32 @@ def load_config(overrides: list[str] | tuple[str, ...] = ()) -> DapoConfig:
         raise
     except (OmegaConfBaseException, HydraException) as exc:
         cause = f" ({str(exc.__cause__).splitlines()[0]})" if exc.__cause__ else ""  # says what was expected
-        raise ConfigError(f"invalid config override: {exc}{cause}".strip()) from None
+        raise ConfigError(f"invalid config override: {exc}{cause}{_did_you_mean(overrides)}".strip()) from None
     assert isinstance(cfg, DapoConfig)
     return cfg
+
+
+RENAMED_KEYS = {
+    "transport.weight_path": "weights.backend", "transport.weight_port": "weights.side_channel_port",
+    "transport.collective_port": "weights.collective_port", "transport.weight_chunk_bytes": "weights.chunk_bytes",
+    "transport.collective_backend": "weights.collective_backend", "learner.weight_bucket_bytes": "weights.bucket_bytes",
+    "learner.weight_sync_timeout_s": "weights.sync_timeout_s",
+    "algorithm.max_filtered_groups_per_step": "algorithm.max_consecutive_filtered_groups"}
+"""Old key -> its new name, for the error an old command line gets."""
+
+
+def _did_you_mean(overrides: list[str] | tuple[str, ...]) -> str:
+    """For the first ``section.key=value`` whose key does not exist: its new name, else the closest spelling."""
+    import difflib
+
+    default = DapoConfig()
+    known = [f"{s.name}.{f.name}" for s in dataclasses.fields(default)
+             for f in dataclasses.fields(getattr(default, s.name))]
+    for key in (o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o):
+        if "." in key and key not in known:
+            near = [RENAMED_KEYS[key]] if key in RENAMED_KEYS else difflib.get_close_matches(key, known, 2, 0.8)
+            return f"; did you mean {' or '.join(near)}?" if near else ""
+    return ""
 
 
 def _reject_unknown_keys(node: Any, prefix: str) -> None:
@@ -500,7 +523,7 @@ def _reject_unknown_keys(node: Any, prefix: str) -> None:
         if key not in known:
             where = f"`{prefix.rstrip('.')}`" if prefix else "the top level"
             raise ConfigError(f"config key `{prefix}{key}` is unknown: expected one of {sorted(known)} "
-                              f"under {where} (see dapo/config.py).")
+                              f"under {where} (see dapo/config.py){_did_you_mean([f'{prefix}{key}=']) or '.'}")
         child = node._get_node(key)
         if isinstance(child, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(child)):
             _reject_unknown_keys(child, f"{prefix}{key}.")

@@ -106,6 +106,22 @@ def test_weight_backend_must_be_a_registered_one_and_the_old_weight_keys_are_gon
     assert load_config(["weights.backend=collective"]).weights.backend == "collective"
 
 
+def test_an_old_or_misspelt_key_is_answered_with_its_current_name():
+    from dapo.config import RENAMED_KEYS, to_dict
+
+    current = {f"{section}.{key}" for section, keys in to_dict(load_config()).items() for key in keys}
+    for old, new in RENAMED_KEYS.items():
+        assert new in current and old not in current
+        for given in (f"{old}=1", f"+{old}=1"):  # a plain override and an appended one
+            with pytest.raises(ConfigError, match=rf"did you mean {new}\?"):
+                load_config([given])
+    with pytest.raises(ConfigError, match=r"did you mean learner\.lr\?"):
+        load_config(["algorithm=grpo", "learner.lrr=0.1"])  # a group override before it is skipped
+    with pytest.raises(ConfigError) as err:
+        load_config(["learner.qqq=1"])
+    assert "did you mean" not in str(err.value)
+
+
 def test_dynamic_sampling_needs_groups_of_two():
     with pytest.raises(ConfigError, match="algorithm.num_samples_per_prompt") as err:
         load_config(["algorithm.num_samples_per_prompt=1"])
