@@ -70,7 +70,10 @@ class TorchEngine(Engine):
         step_ids, positions = ids, (mask.cumsum(-1) - 1).clamp(min=0)
         for step in range(max_tokens):
             if between_steps is not None and step and step % every_steps == 0:
-                between_steps()  # may load weights in place: the cache keeps the old weights' KV
+                # May load weights in place (the cache keeps the old weights' KV). Outside inference
+                # mode: tensors it creates (receive buffers) may be written in place later.
+                with torch.inference_mode(False):
+                    between_steps()
             versions.append(self.version)
             logits = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
                                 past_key_values=cache, use_cache=True).logits[:, -1]

@@ -257,6 +257,23 @@ def test_inflight_reprefill_reencodes_the_context_with_the_new_weights(engines, 
 
 
 @pytest.mark.parametrize("kind", ENGINES)
+def test_a_failure_between_chunks_leaves_the_engine_usable(engines, hf_models, kind):
+    """An error raised at a chunk boundary (a failed fetch) propagates; the engine drops the
+    half-generated requests and the next call samples from the loaded weights alone."""
+    engine = engines(kind)
+
+    def between_chunks() -> None:
+        raise ConnectionError("weights unreachable")
+
+    with pytest.raises(ConnectionError, match="unreachable"):
+        engine.generate(PROMPTS, n=2, max_tokens=12, temperature=1.0, top_p=1.0, seed=0,
+                        chunk_tokens=4, between_chunks=between_chunks)
+    groups = engine.generate(PROMPTS, n=2, max_tokens=8, temperature=1.0, top_p=1.0, seed=1)
+    assert [len(g) for g in groups] == [2, 2, 2] and all(s.num_tokens <= 8 for g in groups for s in g)
+    assert _max_err(groups, PROMPTS, hf_models[0], 1.0) < TOL
+
+
+@pytest.mark.parametrize("kind", ENGINES)
 def test_samples_differ_and_torch_seeds_reproduce(engines, kind):
     engine = engines(kind)
     ids = lambda groups: [s.token_ids for g in groups for s in g]  # noqa: E731
