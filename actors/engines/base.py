@@ -114,6 +114,8 @@ class Engine(abc.ABC):
             raise ValueError(f"generate needs non-empty prompts, got lengths {[len(p) for p in prompt_ids]}")
         if n < 1 or max_tokens < 1:
             raise ValueError(f"generate needs n >= 1 and max_tokens >= 1, got n={n}, max_tokens={max_tokens}")
+        if chunk_tokens is not None and chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1 or None, got {chunk_tokens}")
         if chunk_tokens is not None and not reprefill and self.keeps_kv_across_loads:
             raw = self._sample(prompt_ids, n, max_tokens, temperature, top_p, seed, every_steps=chunk_tokens,
                                between_steps=between_chunks or (lambda: None))

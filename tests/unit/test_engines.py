@@ -307,5 +307,7 @@ def test_bad_arguments_are_rejected(engines):
         engine.generate([[1], []], n=1, max_tokens=4, temperature=1.0, top_p=1.0, seed=0)
     with pytest.raises(ValueError, match="max_model_len_tokens"):
         engine.generate([[1] * 510], n=1, max_tokens=8, temperature=1.0, top_p=1.0, seed=0)
+    with pytest.raises(ValueError, match="chunk_tokens must be >= 1"):
+        engine.generate([[1]], n=1, max_tokens=8, temperature=1.0, top_p=1.0, seed=0, chunk_tokens=0)
     with pytest.raises(ValueError, match="missing"):
         engine.load_weights({"model.embed_tokens.weight": torch.zeros(1)}, version=1)
