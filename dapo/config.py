@@ -334,6 +334,9 @@ class TransportConfig:
 
 WEIGHT_BACKENDS = ("side_channel", "grpc_stream", "collective")
 """The weight-sync backends: keys of SENDERS (learner/transports/) and RECEIVERS (actors/transports/)."""
+DEVICE_DIRECT_BACKENDS = ("collective", "cuda_ipc")
+"""Backends that publish from the learner's device: rank 0 gathers onto its GPU, flattens and
+checksums (sum64) there; the side channel copies only the ranges it is asked for to the host."""
 
 
 @dataclass
@@ -343,7 +346,9 @@ class WeightSyncConfig:
     backend: str = "side_channel"
     """``side_channel``: actors pull over raw TCP; ``grpc_stream``: over the gRPC FetchWeights stream
     (no port of its own, ~10x slower); ``collective``: a gloo/NCCL group of rank 0 and the actors gets
-    every version by broadcast (the side channel also runs: joining actors and the fallback)."""
+    every version by broadcast (the side channel also runs: joining actors and the fallback);
+    ``cuda_ipc``: an actor on the learner's host and GPU loads each version from rank 0's GPU memory
+    (CUDA IPC handles; needs learner.device=cuda)."""
     side_channel_port: int = 50053
     """Port of the side channel (raw TCP bulk weights), on transport.host."""
     collective_port: int = 50054

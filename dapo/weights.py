@@ -11,6 +11,10 @@ checksum has verified every byte and every name, shape and offset.
 
 Why blake3: measured on this 2-core VM (4 MiB chunks, one thread) blake3 hashes 3.4 GB/s and
 zlib.crc32 3.1 GB/s; blake3 is as fast and does not let a corrupted chunk collide.
+
+The device-direct backends (collective, cuda_ipc) checksum with ``sum64`` instead: torch ops that run
+where the buffer is (a CUDA buffer is never copied to the host to be hashed) and give the same value on
+CPU and CUDA for the same bytes. The manifest names its algorithm, and the version checksum covers it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch
 
 ALIGN_BYTES = 64
 MANIFEST_SCHEMA = 1
+CHECKSUM_ALGORITHMS = ("blake3", "sum64")
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -60,6 +65,8 @@ class WeightManifest:
     """blake3 hex digest of each chunk [i*chunk_bytes, min((i+1)*chunk_bytes, total_bytes))."""
     version_checksum: str
     """blake3 hex digest of the manifest body and all chunk digests."""
+    checksum_algorithm: str = "blake3"
+    """How ``chunk_checksums`` were computed: one of CHECKSUM_ALGORITHMS."""
 
     @property
     def num_chunks(self) -> int:
@@ -71,7 +78,7 @@ class WeightManifest:
         return start, min(self.chunk_bytes, self.total_bytes - start)
 
     def to_json(self) -> bytes:
-        body = {**_body(self.version, self.total_bytes, self.chunk_bytes, self.tensors),
+        body = {**_body(self.version, self.total_bytes, self.chunk_bytes, self.tensors, self.checksum_algorithm),
                 "chunk_checksums": list(self.chunk_checksums), "version_checksum": self.version_checksum}
         return json.dumps(body, separators=(",", ":")).encode()
 
@@ -83,7 +90,8 @@ class WeightManifest:
             tensors = tuple(TensorEntry(str(t[0]), str(t[1]), tuple(int(s) for s in t[2]), int(t[3]), int(t[4]))
                             for t in raw["tensors"])
             man = WeightManifest(int(raw["version"]), int(raw["total_bytes"]), int(raw["chunk_bytes"]), tensors,
-                                 tuple(str(c) for c in raw["chunk_checksums"]), str(raw["version_checksum"]))
+                                 tuple(str(c) for c in raw["chunk_checksums"]), str(raw["version_checksum"]),
+                                 str(raw.get("checksum", "blake3")))
             schema = int(raw["schema"])
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             raise WeightError(f"malformed weight manifest ({exc!r}); expected the JSON written by "
@@ -95,20 +103,24 @@ class WeightManifest:
         return man
 
 
-def _body(version: int, total_bytes: int, chunk_bytes: int, tensors: Iterable[TensorEntry]) -> dict:
+def _body(version: int, total_bytes: int, chunk_bytes: int, tensors: Iterable[TensorEntry], algorithm: str) -> dict:
     return {"schema": MANIFEST_SCHEMA, "version": version, "total_bytes": total_bytes, "chunk_bytes": chunk_bytes,
-            "tensors": [[t.name, t.dtype, list(t.shape), t.offset_bytes, t.nbytes] for t in tensors]}
+            "tensors": [[t.name, t.dtype, list(t.shape), t.offset_bytes, t.nbytes] for t in tensors],
+            **({} if algorithm == "blake3" else {"checksum": algorithm})}
 
 
 def _version_checksum(version: int, total_bytes: int, chunk_bytes: int, tensors: Iterable[TensorEntry],
-                      chunk_checksums: Iterable[str]) -> str:
-    h = blake3.blake3(json.dumps(_body(version, total_bytes, chunk_bytes, tensors), separators=(",", ":")).encode())
+                      chunk_checksums: Iterable[str], algorithm: str = "blake3") -> str:
+    body = _body(version, total_bytes, chunk_bytes, tensors, algorithm)
+    h = blake3.blake3(json.dumps(body, separators=(",", ":")).encode())
     for c in chunk_checksums:
         h.update(c.encode())
     return h.hexdigest()
 
 
 def _validate(man: WeightManifest) -> None:
+    if man.checksum_algorithm not in CHECKSUM_ALGORITHMS:
+        raise WeightError(f"manifest checksum {man.checksum_algorithm!r}; this dapo verifies {CHECKSUM_ALGORITHMS}")
     if man.chunk_bytes <= 0 or man.total_bytes < 0:
         raise WeightError(f"manifest chunk_bytes={man.chunk_bytes}, total_bytes={man.total_bytes}: expected > 0, >= 0")
     expected_chunks = -(-man.total_bytes // man.chunk_bytes)
@@ -126,7 +138,7 @@ def _validate(man: WeightManifest) -> None:
             raise WeightError(f"tensor {t.name!r}: offset {t.offset_bytes}, nbytes {t.nbytes}, shape {t.shape} "
                               f"do not fit a {man.total_bytes}-byte buffer aligned to {ALIGN_BYTES}")
     if man.version_checksum != _version_checksum(man.version, man.total_bytes, man.chunk_bytes, man.tensors,
-                                                 man.chunk_checksums):
+                                                 man.chunk_checksums, man.checksum_algorithm):
         raise WeightError(f"manifest of version {man.version}: version checksum does not match its body "
                           f"(corrupted or forged manifest); refetch it")
 
@@ -149,19 +161,44 @@ def chunk_checksum(data: memoryview | bytes) -> str:
     return blake3.blake3(data).hexdigest()
 
 
-def flatten_state_dict(state_dict: Mapping[str, torch.Tensor], *, version: int, chunk_bytes: int,
-                       dtype: torch.dtype | None = None, out: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, WeightManifest]:
-    """Copy ``state_dict`` into one uint8 CPU buffer and describe it.
+def sum64_checksums(buf: torch.Tensor, chunk_bytes: int, indices: Iterable[int] | None = None) -> list[str]:
+    """``sum64`` of chunks of a uint8 buffer on any device (all chunks unless ``indices``), one host sync.
 
-    ``out`` (a uint8 CPU tensor of at least the needed size) is reused when given: first-touch
+    A chunk is read as little-endian int32 words w_1..w_n (zero-padded to 4 bytes); its checksum is
+    (sum w_i, sum i * w_i), each mod 2**64, as 32 hex digits. Integer sums do not depend on the order
+    of reduction, so CPU and CUDA agree bit for bit. Any change of one word changes the plain sum by
+    |delta| < 2**32 (never 0 mod 2**64): a corrupted byte is always found; the weighted sum also
+    catches swapped words. Not cryptographic: it guards against faults, the auth token against peers.
+    """
+    if chunk_bytes % 4:
+        raise WeightError(f"chunk_bytes={chunk_bytes}: sum64 needs a multiple of 4 (set weights.chunk_bytes)")
+    sums = []
+    for i in (range(-(-buf.numel() // chunk_bytes)) if indices is None else indices):
+        c = buf[i * chunk_bytes:(i + 1) * chunk_bytes]
+        if c.numel() % 4:
+            c = torch.cat([c, c.new_zeros(4 - c.numel() % 4)])
+        w = c.view(torch.int32).to(torch.int64)
+        pos = torch.arange(1, w.numel() + 1, dtype=torch.int64, device=w.device)
+        sums.append(torch.stack([w.sum(), (w * pos).sum()]))
+    mask = (1 << 64) - 1
+    return [f"{s & mask:016x}{ws & mask:016x}" for s, ws in (torch.stack(sums).tolist() if sums else [])]
+
+
+def flatten_state_dict(state_dict: Mapping[str, torch.Tensor], *, version: int, chunk_bytes: int,
+                       dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
+                       device: torch.device | str = "cpu", checksum: str = "blake3"
+                       ) -> tuple[torch.Tensor, WeightManifest]:
+    """Copy ``state_dict`` into one uint8 buffer on ``device`` and describe it (``checksum``: an
+    algorithm of CHECKSUM_ALGORITHMS; blake3 needs a CPU buffer).
+
+    ``out`` (a uint8 tensor on ``device`` of at least the needed size) is reused when given: first-touch
     page faults cost ~30x a memcpy on this VM, so the publisher recycles buffers. Returns the
     buffer (exactly ``total_bytes`` long, a view of ``out`` if given) and the manifest.
     """
     entries = layout(state_dict, dtype)
     total = max((e.offset_bytes + e.nbytes for e in entries), default=0)
     if out is None or out.numel() < total:
-        out = torch.empty(total, dtype=torch.uint8)
+        out = torch.empty(total, dtype=torch.uint8, device=device)
     buf = out[:total]
     end = 0
     for e, t in zip(entries, state_dict.values()):
@@ -170,33 +207,41 @@ def flatten_state_dict(state_dict: Mapping[str, torch.Tensor], *, version: int, 
         dst.copy_(t.detach())
         end = e.offset_bytes + e.nbytes
     buf[end:].zero_()
-    return buf, manifest_for(buf, entries, version=version, chunk_bytes=chunk_bytes)
+    return buf, manifest_for(buf, entries, version=version, chunk_bytes=chunk_bytes, checksum=checksum)
 
 
-def manifest_for(buf: torch.Tensor, entries: list[TensorEntry], *, version: int, chunk_bytes: int) -> WeightManifest:
-    """Manifest (with all checksums) for a buffer already laid out as ``entries``."""
+def manifest_for(buf: torch.Tensor, entries: list[TensorEntry], *, version: int, chunk_bytes: int,
+                 checksum: str = "blake3") -> WeightManifest:
+    """Manifest (with all checksums, computed where ``buf`` is) for a buffer already laid out as ``entries``."""
     if chunk_bytes <= 0:
         raise WeightError(f"chunk_bytes={chunk_bytes}; expected > 0")
+    if checksum not in CHECKSUM_ALGORITHMS:
+        raise WeightError(f"checksum {checksum!r}; expected one of {CHECKSUM_ALGORITHMS}")
     total = buf.numel()
-    mv = memoryview(buf.numpy())
-    checksums = tuple(chunk_checksum(mv[o:o + chunk_bytes]) for o in range(0, total, chunk_bytes))
+    if checksum == "sum64":
+        checksums = tuple(sum64_checksums(buf, chunk_bytes))
+    else:
+        mv = memoryview(buf.numpy())
+        checksums = tuple(chunk_checksum(mv[o:o + chunk_bytes]) for o in range(0, total, chunk_bytes))
     tensors = tuple(entries)
     return WeightManifest(version, total, chunk_bytes, tensors, checksums,
-                          _version_checksum(version, total, chunk_bytes, tensors, checksums))
+                          _version_checksum(version, total, chunk_bytes, tensors, checksums, checksum), checksum)
 
 
 def bad_chunks(buf: torch.Tensor, manifest: WeightManifest, indices: Iterable[int] | None = None) -> list[int]:
-    """Indices of chunks whose bytes do not match the manifest (all chunks unless ``indices``)."""
+    """Indices of chunks whose bytes do not match the manifest (all chunks unless ``indices``), checked
+    where ``buf`` is (sum64) or on the host (blake3)."""
     if buf.numel() != manifest.total_bytes:
         raise WeightError(f"buffer holds {buf.numel()} bytes, manifest of version {manifest.version} "
                           f"describes {manifest.total_bytes}")
-    mv = memoryview(buf.numpy())
-    out = []
-    for i in (range(manifest.num_chunks) if indices is None else indices):
-        start, length = manifest.chunk_range(i)
-        if chunk_checksum(mv[start:start + length]) != manifest.chunk_checksums[i]:
-            out.append(i)
-    return out
+    idx = list(range(manifest.num_chunks) if indices is None else indices)
+    if manifest.checksum_algorithm == "sum64":
+        got = sum64_checksums(buf, manifest.chunk_bytes, idx)
+    else:
+        mv = memoryview(buf.cpu().numpy())
+        got = [chunk_checksum(mv[i * manifest.chunk_bytes:i * manifest.chunk_bytes + manifest.chunk_range(i)[1]])
+               for i in idx]
+    return [i for i, c in zip(idx, got) if c != manifest.chunk_checksums[i]]
 
 
 def unflatten(buf: torch.Tensor, manifest: WeightManifest) -> dict[str, torch.Tensor]:

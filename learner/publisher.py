@@ -2,11 +2,14 @@
 
 ```
  full state dict (rank 0, after the FSDP gather)
-   │ serialise: dapo.weights.flatten_state_dict into a recycled buffer + blake3 chunk checksums
+   │ serialise: dapo.weights.flatten_state_dict into a recycled buffer + chunk checksums: blake3 on the
+   │   host, or (DEVICE_DIRECT_BACKENDS) sum64 on the tensors' device: a CUDA version is never staged
+   │   on the host; the side channel and FetchWeights copy out only the ranges they serve
    ▼
  VersionStore (latest `keep_versions` versions, ref-counted buffers)
    ├── WeightSource hook -> gRPC GetWeightInfo / FetchWeights (learner/grpc_server.py; grpc_stream)
-   └── senders (learner/transports/ SENDERS[weights.backend]): side_channel (TCP pull), collective
+   └── senders (learner/transports/ SENDERS[weights.backend]): side_channel (TCP pull), collective,
+       cuda_ipc
 ```
 """
 
@@ -20,6 +23,7 @@ from typing import Iterator, Mapping
 
 import torch
 
+from dapo.config import DEVICE_DIRECT_BACKENDS
 from dapo.weights import WeightManifest, flatten_state_dict
 from learner.transports import SENDERS, SenderOptions, WeightSender, WeightSyncError
 from protos import coordinator_pb2 as pb
@@ -41,10 +45,10 @@ class VersionStore:
         self._spare: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
-    def spare_buffer(self, nbytes: int) -> torch.Tensor | None:
+    def spare_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor | None:
         with self._lock:
             for i, b in enumerate(self._spare):
-                if b.numel() >= nbytes:
+                if b.numel() >= nbytes and b.device == device:
                     return self._spare.pop(i)
         return None
 
@@ -86,6 +90,7 @@ class WeightPublisher:
                  keep_versions: int = 2) -> None:
         self.chunk_bytes = chunk_bytes
         self.dtype = dtype
+        self.checksum = "sum64" if backend in DEVICE_DIRECT_BACKENDS else "blake3"
         self.store = VersionStore(keep_versions)
         self.senders: dict[str, WeightSender] = {cls.name: cls(self.store, options) for cls in SENDERS[backend]}
         self.errors: dict[str, WeightSyncError] = {}
@@ -101,8 +106,11 @@ class WeightPublisher:
         total = sum(t.numel() * (torch.empty((), dtype=self.dtype).element_size()
                                  if self.dtype is not None and t.is_floating_point() else t.element_size())
                     for t in state_dict.values()) + 64 * len(state_dict)
-        buf, manifest = flatten_state_dict(state_dict, version=version, chunk_bytes=self.chunk_bytes,
-                                           dtype=self.dtype, out=self.store.spare_buffer(total))
+        first = next(iter(state_dict.values()), None)
+        device = first.device if self.checksum == "sum64" and first is not None else torch.device("cpu")
+        buf, manifest = flatten_state_dict(state_dict, version=version, chunk_bytes=self.chunk_bytes, dtype=self.dtype,
+                                           out=self.store.spare_buffer(total, device), device=device,
+                                           checksum=self.checksum)
         self.store.put(buf, manifest)
         out = {"time/serialise_s": time.perf_counter() - t0, "weights/bytes": float(manifest.total_bytes),
                "weights/version": float(version)}
@@ -138,12 +146,12 @@ class WeightPublisher:
             manifest=[pb.TensorEntry(name=t.name, dtype=t.dtype, shape=list(t.shape), offset_bytes=t.offset_bytes,
                                      nbytes=t.nbytes) for t in man.tensors],
             chunk_checksums=list(man.chunk_checksums), version_checksum=man.version_checksum,
-            checksum_algorithm="blake3", side_channel_endpoint=side_channel.endpoint if side_channel else "")
+            checksum_algorithm=man.checksum_algorithm, side_channel_endpoint=side_channel.endpoint if side_channel else "")
 
     def read(self, version: int, offset: int, length: int) -> bytes:
         """Bytes [offset, offset + length) of ``version``; KeyError when the version is not held."""
         with self.store.acquire(version) as held:
-            return memoryview(held.buf.numpy())[offset:offset + length].tobytes()
+            return held.buf[offset:offset + length].cpu().numpy().tobytes()
 
     def close(self) -> None:
         for sender in self.senders.values():

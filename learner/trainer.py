@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from dapo.algorithm import loss_kwargs, policy_loss
-from dapo.config import AlgorithmConfig, DapoConfig, LearnerConfig
+from dapo.config import DEVICE_DIRECT_BACKENDS, AlgorithmConfig, DapoConfig, LearnerConfig
 from learner.batch import PackedMicroBatch, RankShard
 from learner.logprobs import LogprobHead, install_logprob_head
 
@@ -56,11 +56,14 @@ class TrainerSettings:
     """Dr.GRPO's constant (actor.max_response_tokens), fixed so that any split gives the same loss."""
     param_dtype: torch.dtype = torch.float32
     """Compute dtype of forward/backward; master weights and optimizer state stay float32."""
+    gather_on_device: bool = False
+    """``full_state_dict`` leaves rank 0's tensors on a CUDA device (DEVICE_DIRECT_BACKENDS publish from it)."""
 
     @staticmethod
     def from_config(cfg: DapoConfig) -> "TrainerSettings":
         return TrainerSettings(cfg.learner, cfg.algorithm, cfg.actor.temperature, float(cfg.actor.max_response_tokens),
-                               torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32)
+                               torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32,
+                               cfg.weights.backend in DEVICE_DIRECT_BACKENDS)
 
 
 def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -276,11 +279,15 @@ class Trainer:
         return out
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective (call on every rank): full CPU state dict on rank 0, {} elsewhere; without
-        ``lm_head.weight`` when the embeddings are tied."""
+        """Collective (call on every rank): full state dict on rank 0 (CPU, or this CUDA device with
+        ``gather_on_device``), {} elsewhere; without ``lm_head.weight`` when the embeddings are tied."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        on_device = self.settings.gather_on_device and self.device.type == "cuda"
+        # Without cpu_offload every rank all-gathers the full tensors (a transient full copy per GPU).
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=not on_device))
+        if on_device and dist.get_rank() != 0:
+            return {}
         if getattr(self.model.config, "tie_word_embeddings", False):
             # The tied copy is the embedding (+26 % bytes for Qwen2.5-0.5B); engines re-tie on load.
             sd.pop("lm_head.weight", None)

@@ -57,36 +57,38 @@ RangeReader = Callable[[memoryview, int, int], None]
 
 def manifest_from_info(info: pb.WeightInfo) -> WeightManifest:
     """Validate a WeightInfo from the network into a WeightManifest (raises WeightError)."""
-    if info.checksum_algorithm not in ("blake3", ""):
-        raise WeightError(f"learner announces checksum {info.checksum_algorithm!r}; this actor verifies blake3")
-    from dapo.weights import _validate  # one validation routine for both paths
+    from dapo.weights import _validate  # one validation routine for both paths (it checks the algorithm)
 
     man = WeightManifest(int(info.version), int(info.total_bytes), int(info.chunk_bytes),
                          tuple(TensorEntry(t.name, t.dtype, tuple(int(s) for s in t.shape), int(t.offset_bytes),
                                            int(t.nbytes)) for t in info.manifest),
-                         tuple(info.chunk_checksums), info.version_checksum)
+                         tuple(info.chunk_checksums), info.version_checksum, info.checksum_algorithm or "blake3")
     _validate(man)
     return man
 
 
 def repair(buf: torch.Tensor, manifest: WeightManifest, read: RangeReader | None, max_refetch: int) -> int:
-    """Verify every chunk; refetch bad ones with ``read``. Returns chunks refetched."""
+    """Verify every chunk where ``buf`` is; refetch bad ones with ``read`` (through the host for a
+    CUDA buffer). Returns chunks refetched."""
     bad = bad_chunks(buf, manifest)
     if bad and read is None:
         raise WeightFetchError(f"version {manifest.version}: chunks {bad} fail their checksum and no "
                                f"repair path is configured")
     refetched = 0
-    mv = memoryview(buf.numpy())
     for _ in range(max_refetch):
         if not bad:
             return refetched
         for i in bad:
             start, length = manifest.chunk_range(i)
-            read(mv[start:start + length], manifest.version, start)
+            host = buf[start:start + length] if buf.is_cpu else torch.empty(length, dtype=torch.uint8)
+            read(memoryview(host.numpy()), manifest.version, start)
+            if not buf.is_cpu:
+                buf[start:start + length].copy_(host)
             refetched += 1
         bad = bad_chunks(buf, manifest, bad)
     if bad:
-        raise WeightFetchError(f"version {manifest.version}: chunks {bad} still fail their blake3 checksum "
+        raise WeightFetchError(f"version {manifest.version}: chunks {bad} still fail their "
+                               f"{manifest.checksum_algorithm} checksum "
                                f"after {max_refetch} refetches; the learner's buffer or the network is corrupt")
     return refetched
 

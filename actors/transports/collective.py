@@ -1,7 +1,8 @@
 """Collective receiver: join through the learner's TCPStore -> wait for sync/<s> -> (new
-generation: build the group: gloo, or NCCL into a CUDA buffer copied to host) -> bucketed broadcast
-into a reused buffer -> verify -> refetch bad chunks over a ``base.RangeReader`` (the side channel)
--> ack timings -> state dict. The store protocol is documented in learner/transports/collective.py.
+generation: build the group: gloo, or NCCL) -> bucketed broadcast into a reused buffer (host for
+gloo, CUDA for NCCL) -> verify there (the manifest's checksum: sum64 runs on the GPU) -> refetch bad
+chunks over a ``base.RangeReader`` (the side channel) -> ack timings -> state dict on that device
+(an NCCL actor's engine loads from GPU memory; nothing is staged on the host). The store protocol is documented in learner/transports/collective.py.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class CollectiveWeightReceiver:
         self.name = name
         self._address = (host, port)
         self._cuda_device = cuda_device  # NCCL receive device; None = the current CUDA device
-        self._staging: ReceiveBuffer | None = None
+        self._cuda_buffers: ReceiveBuffer | None = None
         self._timeout = timedelta(seconds=timeout_s)
         self._repair_read = repair_read
         self._max_refetch = max_refetch
@@ -50,7 +51,7 @@ class CollectiveWeightReceiver:
         self._pg = None
         self._gen = -1
         self._buffers = ReceiveBuffer()
-        self._staging_buffers(self.store.get("backend").decode())  # refuse before joining, not mid-sync
+        self._device_buffers(self.store.get("backend").decode())  # refuse before joining, not mid-sync
         self._join()
 
     def _join(self) -> None:
@@ -79,19 +80,16 @@ class CollectiveWeightReceiver:
         t0 = time.perf_counter()
         manifest = WeightManifest.from_json(self.store.get(f"manifest/{meta['version']}"))
         backend = meta.get("backend", "gloo")
-        staging = self._staging_buffers(backend)
+        cuda = self._device_buffers(backend)
         if meta["gen"] != self._gen:
             prefix = dist.PrefixStore(f"gen/{meta['gen']}/", self.store)
             self._pg = transports.new_group(backend, prefix, meta["members"].index(self._member) + 1,
                                             len(meta["members"]) + 1, self._timeout)
             self._gen = meta["gen"]
-        buf = self._buffers.get(manifest.total_bytes)
-        dst = buf if staging is None else staging.get(manifest.total_bytes)
+        buf = (self._buffers if cuda is None else cuda).get(manifest.total_bytes)
         t1 = time.perf_counter()
         try:
-            transports.broadcast_buckets(self._pg, dst, meta["bucket_bytes"], self._timeout)
-            if staging is not None:  # checksums and the engine's loader read host memory
-                buf.copy_(dst)
+            transports.broadcast_buckets(self._pg, buf, meta["bucket_bytes"], self._timeout)
         except Exception as exc:  # noqa: BLE001 - the group is unusable; rejoin next time
             transports.abort(self._pg)
             self._pg, self._gen = None, -1
@@ -110,7 +108,7 @@ class CollectiveWeightReceiver:
         self._sync += 1
         return manifest.version, unflatten(buf, manifest), stats
 
-    def _staging_buffers(self, backend: str) -> ReceiveBuffer | None:
+    def _device_buffers(self, backend: str) -> ReceiveBuffer | None:
         """None for gloo (receive straight into host memory); a CUDA buffer for NCCL."""
         if backend == "gloo":
             return None
@@ -120,9 +118,9 @@ class CollectiveWeightReceiver:
                 f"the learner broadcasts weights with {backend!r}, which this actor cannot receive "
                 f"(CUDA available: {torch.cuda.is_available()}, NCCL available: {dist.is_nccl_available()}); "
                 "start the learner with weights.collective_backend=gloo or weights.backend=side_channel")
-        if self._staging is None:
-            self._staging = ReceiveBuffer(self._cuda_device or torch.device("cuda", torch.cuda.current_device()))
-        return self._staging
+        if self._cuda_buffers is None:
+            self._cuda_buffers = ReceiveBuffer(self._cuda_device or torch.device("cuda", torch.cuda.current_device()))
+        return self._cuda_buffers
 
     def leave(self) -> None:
         """Graceful stop: mark this member gone, so the learner's next sync drops it rather than
@@ -135,7 +133,7 @@ class CollectiveWeightReceiver:
             pass
 
     def close(self) -> None:
-        self._pg, self._staging = None, None
+        self._pg, self._cuda_buffers = None, None
 
 
 class CollectiveFollower(Follower):

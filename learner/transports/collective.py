@@ -5,7 +5,9 @@ rebuilt when membership changes; bucketed broadcasts. The protocol's receiving h
 Store keys: ``backend``, ``join_seq`` (counter), ``join/<n>`` = actor name, ``join/<n>/sync`` =
 first sync it is in, ``sync/<s>`` = JSON {version, gen, members (``<name>#<n>``), backend, bucket_bytes},
 ``manifest/<version>``, ``ack/<s>/<name>#<n>`` = actor timings, ``left/<n>`` = member n stopped
-(dropped at the next sync). With ``nccl`` the buffer is staged once per sync on a CUDA device.
+(dropped at the next sync). The buffer is broadcast from where the publisher built it (the
+learner's GPU for a CUDA learner: no host staging); it is staged only when the group's device
+differs (a CPU buffer for NCCL, a CUDA one for gloo).
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class CollectiveSender:
         self.generation = self.sync_index = self._seen_tickets = 0
         self._pg: object | None = None
         self._rebuild = True
-        self._staging: torch.Tensor | None = None  # NCCL: the CUDA copy of the flat buffer, reused
+        self._staging: torch.Tensor | None = None  # the buffer copied to the group's device, reused
         # TCPStore(host, ...) as master listens on all interfaces whatever `host` says, and has no
         # token: bind the listening socket ourselves so the store is reachable only where the
         # config allows (loopback by default). The store owns the descriptor from here on.
@@ -141,10 +143,11 @@ class CollectiveSender:
                 "time/collective_transfer_s": t2 - t1}
 
     def _stage(self, buf: torch.Tensor) -> torch.Tensor:
-        if self.backend != "nccl":
+        if buf.is_cuda if self.backend == "nccl" else buf.is_cpu:
             return buf
-        if self._staging is None or self._staging.numel() < buf.numel():
-            self._staging = torch.empty(buf.numel(), dtype=torch.uint8, device=self.device)
+        device = self.device if self.backend == "nccl" else torch.device("cpu")
+        if self._staging is None or self._staging.numel() < buf.numel() or self._staging.device != device:
+            self._staging = torch.empty(buf.numel(), dtype=torch.uint8, device=device)
         staged = self._staging[:buf.numel()]
         staged.copy_(buf)
         return staged

@@ -97,7 +97,8 @@ class SideChannelSender:
             if req.offset_bytes < 0 or length < 0 or req.offset_bytes + length > total:
                 self.counters["rejected"] += 1
                 return False
-            conn.sendall(memoryview(held.buf.numpy())[req.offset_bytes:req.offset_bytes + length])
+            # A device-direct version lives on its GPU: only the requested range comes to the host.
+            conn.sendall(memoryview(held.buf[req.offset_bytes:req.offset_bytes + length].cpu().numpy()))
         self.counters["requests"] += 1
         self.counters["bytes_sent"] += length
         return True

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dapo.weights import (ALIGN_BYTES, WeightError, WeightManifest, bad_chunks, flatten_state_dict, manifest_for,
-                          unflatten)
+                          sum64_checksums, unflatten)
 
 
 def _state_dict() -> dict[str, torch.Tensor]:
@@ -60,6 +60,34 @@ def test_manifest_json_round_trip_and_tamper_detection():
         WeightManifest.from_json(tampered)
     with pytest.raises(WeightError, match="malformed"):
         WeightManifest.from_json(b"{not json")
+
+
+def _sum64_reference(chunk: bytes) -> str:
+    """sum64 as documented, in plain Python integers (no torch)."""
+    chunk += bytes(-len(chunk) % 4)
+    words = [int.from_bytes(chunk[i:i + 4], "little", signed=True) for i in range(0, len(chunk), 4)]
+    mask = (1 << 64) - 1
+    return f"{sum(words) & mask:016x}{sum((i + 1) * w for i, w in enumerate(words)) & mask:016x}"
+
+
+def test_sum64_matches_a_plain_python_reference_and_finds_every_corrupted_byte():
+    buf = torch.randint(0, 256, (1030,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    raw = buf.numpy().tobytes()
+    assert sum64_checksums(buf, 256) == [_sum64_reference(raw[o:o + 256]) for o in range(0, 1030, 256)]
+    buf, man = flatten_state_dict(_state_dict(), version=2, chunk_bytes=128, checksum="sum64")
+    assert man.checksum_algorithm == "sum64" and bad_chunks(buf, man) == []
+    for pos in (0, 129, man.total_bytes - 1):  # first byte, mid-buffer, the zero-padded tail chunk
+        for bit in (0, 7):
+            buf[pos] ^= 1 << bit
+            assert bad_chunks(buf, man) == [pos // 128]
+            buf[pos] ^= 1 << bit
+    w = buf[:8].clone()
+    buf[:4], buf[4:8] = w[4:8], w[:4]  # two words swapped: same plain sum, not the same weighted sum
+    assert w[:4].tolist() == w[4:8].tolist() or bad_chunks(buf, man) == [0]
+    tampered = man.to_json().replace(b',"checksum":"sum64"', b"")  # the algorithm is part of the signed body
+    with pytest.raises(WeightError, match="version checksum"):
+        WeightManifest.from_json(tampered)
+    assert WeightManifest.from_json(man.to_json()) == man
 
 
 def test_reused_buffer_and_version_checksum_changes_with_weights():
@@ -451,7 +479,8 @@ def test_every_backend_delivers_bit_exact_weights_with_version_and_checksum(back
             # The receiver's whole buffer (padding included) hashes to the checksums the learner published.
             storage = next(iter(out.values())).untyped_storage()
             buf = torch.empty(0, dtype=torch.uint8).set_(storage)[:published.total_bytes]
-            again = manifest_for(buf, list(published.tensors), version=version, chunk_bytes=published.chunk_bytes)
+            again = manifest_for(buf, list(published.tensors), version=version, chunk_bytes=published.chunk_bytes,
+                                 checksum=published.checksum_algorithm)
             assert again == published
 
 
