@@ -140,7 +140,8 @@ class Actor:
         pusher = GroupPusher(resp.zmq_endpoint, send_timeout_s=resp.run.rpc_timeout_s,
                              curve_server_public_key=self.cfg.transport.curve_server_public_key)
         follower = RECEIVERS[resp.run.weight_backend](self.client.address.rpartition(":")[0], self.cfg.weights,
-                                                      self.name, resp.run.rpc_timeout_s)
+                                                      self.name, resp.run.rpc_timeout_s,
+                                                      auth_token=self.cfg.transport.auth_token)
         self.session = Session(resp.actor_id, resp.run_id, resp.run, pusher, threading.Event(), threading.Event(),
                                follower)
         self.latest_version = resp.current_version

@@ -332,7 +332,7 @@ class TransportConfig:
         _check(self.lease_retry_after_s >= 0, "transport.lease_retry_after_s", self.lease_retry_after_s, ">= 0")
 
 
-WEIGHT_BACKENDS = ("side_channel", "grpc_stream", "collective")
+WEIGHT_BACKENDS = ("side_channel", "grpc_stream", "collective", "cuda_ipc")
 """The weight-sync backends: keys of SENDERS (learner/transports/) and RECEIVERS (actors/transports/)."""
 DEVICE_DIRECT_BACKENDS = ("collective", "cuda_ipc")
 """Backends that publish from the learner's device: rank 0 gathers onto its GPU, flattens and
@@ -352,7 +352,8 @@ class WeightSyncConfig:
     side_channel_port: int = 50053
     """Port of the side channel (raw TCP bulk weights), on transport.host."""
     collective_port: int = 50054
-    """TCPStore port of the collective group; actors connect to this port of the learner's host."""
+    """TCPStore port of the collective group (or, with ``cuda_ipc``, its loopback control port); actors
+    connect to this port of the learner's host."""
     collective_backend: str = "auto"
     """``gloo`` (CPU buffers), ``nccl`` (CUDA buffers; rank 0 and every actor on distinct GPUs) or
     ``auto`` (NCCL when the learner trains on CUDA)."""
@@ -445,6 +446,9 @@ class DapoConfig:
                "model.max_model_len_tokens", self.model.max_model_len_tokens,
                f">= data.max_prompt_tokens + actor.max_response_tokens "
                f"= {self.data.max_prompt_tokens + self.actor.max_response_tokens}")
+        _check(self.weights.backend != "cuda_ipc" or (self.learner.device == "cuda" and is_loopback(self.transport.host)),
+               "weights.backend", self.weights.backend, "not cuda_ipc here: cuda_ipc needs learner.device=cuda and an "
+               "actor on the same host/GPU (transport.host on loopback); use weights.backend=collective or side_channel")
 
 
 CONF_DIR = Path(__file__).parent / "conf"

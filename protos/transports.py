@@ -1,5 +1,6 @@
-"""What both ends of the weight transports share: kernel socket deadlines (side channel), and the
-collective backend and how both sides build its group.
+"""What both ends of the weight transports share: kernel socket deadlines (side channel), the
+collective backend and how both sides build its group, and the cuda_ipc control messages (framed
+JSON; a CUDA IPC handle travels as explicit typed fields, never pickled).
 
 The learner (``learner/transports/collective.py``) decides the backend and writes it into every
 ``sync/<s>`` record; actors (``actors/transports/collective.py``) follow it, so the two sides can
@@ -9,6 +10,7 @@ rank 0 and each actor must then be on different GPUs: NCCL refuses two ranks on 
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import struct
@@ -85,3 +87,69 @@ def abort(group: object | None) -> None:
             fn()
         except Exception:  # noqa: BLE001 - already broken; dropping the reference is what matters
             pass
+
+
+MAX_CONTROL_BYTES = 1 << 20  # a cuda_ipc control message: a manifest and an IPC handle
+
+
+def send_json(sock: socket.socket, message: dict) -> None:
+    """One control message: 4-byte LE length + UTF-8 JSON object."""
+    data = json.dumps(message, separators=(",", ":")).encode()
+    sock.sendall(struct.pack("<I", len(data)) + data)
+
+
+def recv_json(sock: socket.socket) -> dict:
+    """One control message (``send_json``). TimeoutError past the socket's deadline; ValueError for a
+    malformed or oversized one; ConnectionError when the peer closed."""
+    try:
+        head = sock.recv(4, socket.MSG_WAITALL)
+        if len(head) < 4:
+            raise ConnectionError("peer closed the control connection")
+        (n,) = struct.unpack("<I", head)
+        if n > MAX_CONTROL_BYTES:
+            raise ValueError(f"control message of {n} bytes exceeds {MAX_CONTROL_BYTES}")
+        body = sock.recv(n, socket.MSG_WAITALL)
+    except BlockingIOError as exc:  # SO_RCVTIMEO expired
+        raise TimeoutError("no control message before the deadline") from exc
+    if len(body) < n:
+        raise ConnectionError(f"peer closed the control connection after {len(body)} of {n} bytes")
+    message = json.loads(body)
+    if not isinstance(message, dict):
+        raise ValueError("control message is not a JSON object")
+    return message
+
+
+_IPC_INTS = ("numel", "offset", "device", "storage_bytes", "storage_offset_bytes", "ref_counter_offset")
+_IPC_HEX = ("handle", "ref_counter_handle", "event_handle")
+
+
+def cuda_ipc_share(buf: torch.Tensor) -> dict:
+    """The IPC handle of a contiguous 1-d uint8 CUDA tensor as plain typed fields (what
+    ``torch.multiprocessing.reductions.reduce_tensor`` makes, as verl and SkyRL share weights)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    assert buf.is_cuda and buf.dtype == torch.uint8 and buf.dim() == 1 and buf.is_contiguous()
+    _, args = reduce_tensor(buf)
+    (_, size, _, offset, _, _, device, handle, storage_bytes, storage_offset, _, rc_handle, rc_offset,
+     event_handle, event_sync) = args
+    return {"numel": int(size[0]), "offset": int(offset), "device": int(device), "handle": bytes(handle).hex(),
+            "storage_bytes": int(storage_bytes), "storage_offset_bytes": int(storage_offset),
+            "ref_counter_handle": bytes(rc_handle).hex(), "ref_counter_offset": int(rc_offset),
+            "event_handle": bytes(event_handle or b"").hex(), "event_sync_required": bool(event_sync)}
+
+
+def cuda_ipc_open(fields: dict) -> torch.Tensor:
+    """The uint8 CUDA tensor ``cuda_ipc_share`` described (in another process on the same host).
+    ValueError when a field is missing or of the wrong type."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    ints = {k: fields.get(k) for k in _IPC_INTS}
+    if any(type(v) is not int or v < 0 for v in ints.values()) or type(fields.get("event_sync_required")) is not bool:
+        raise ValueError(f"cuda_ipc handle fields {sorted(fields)}: expected non-negative ints {_IPC_INTS} "
+                         "and a bool event_sync_required")
+    raw = {k: bytes.fromhex(str(fields.get(k, "")) if isinstance(fields.get(k), str) else "?") for k in _IPC_HEX}
+    storage_cls = type(torch.empty(0, dtype=torch.uint8)._typed_storage())
+    return rebuild_cuda_tensor(torch.Tensor, torch.Size([ints["numel"]]), (1,), ints["offset"], storage_cls,
+                               torch.uint8, ints["device"], raw["handle"], ints["storage_bytes"],
+                               ints["storage_offset_bytes"], False, raw["ref_counter_handle"],
+                               ints["ref_counter_offset"], raw["event_handle"], fields["event_sync_required"])

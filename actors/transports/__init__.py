@@ -8,6 +8,7 @@ file, one line in SENDERS) and its name in ``dapo.config.WEIGHT_BACKENDS``.
 
 from actors.transports.base import Follower
 from actors.transports.collective import CollectiveFollower
+from actors.transports.cuda_ipc import CudaIpcFollower
 
 RECEIVERS: dict[str, type[Follower]] = {"side_channel": Follower, "grpc_stream": Follower,
-                                        "collective": CollectiveFollower}
+                                        "collective": CollectiveFollower, "cuda_ipc": CudaIpcFollower}

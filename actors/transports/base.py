@@ -37,11 +37,11 @@ class FetchStats:
 
 class Follower:
     """What the actor loop runs for the learner's backend: ``RECEIVERS[RunParams.weight_backend](
-    learner_host, cfg.weights, actor_name, timeout_s)``. ``take()`` hands over a version that arrived
-    by itself, or None: the loop then fetches the latest over the network path. This base class is
-    the follower of a pull backend, where nothing arrives by itself."""
+    learner_host, cfg.weights, actor_name, timeout_s, auth_token=cfg.transport.auth_token)``. ``take()``
+    hands over a version that arrived by itself, or None: the loop then fetches the latest over the
+    network path. This base class is the follower of a pull backend, where nothing arrives by itself."""
 
-    def __init__(self, *_: object) -> None:
+    def __init__(self, *_: object, **__: object) -> None:
         pass
 
     def take(self) -> tuple[int, dict[str, torch.Tensor]] | None:

@@ -97,15 +97,15 @@ class CollectiveWeightReceiver:
             raise WeightFetchError(f"collective receive of version {manifest.version} failed: {exc}; "
                                    f"rejoined for the next sync") from exc
         t2 = time.perf_counter()
+        sync, self._sync = self._sync, self._sync + 1  # taken part in: a refused version waits for the next sync
         if self._after_receive is not None:
             self._after_receive(buf)
         refetched = repair(buf, manifest, self._repair_read, self._max_refetch)
         t3 = time.perf_counter()
         stats = FetchStats(manifest.version, t2 - t1, t3 - t2, refetched, manifest.total_bytes, "collective",
                            {"group_s": t1 - t0})
-        self.store.set(f"ack/{self._sync}/{self._member}", json.dumps(
+        self.store.set(f"ack/{sync}/{self._member}", json.dumps(
             {"transfer_s": stats.transfer_s, "verify_s": stats.verify_s, "refetched": refetched}))
-        self._sync += 1
         return manifest.version, unflatten(buf, manifest), stats
 
     def _device_buffers(self, backend: str) -> ReceiveBuffer | None:
@@ -143,7 +143,8 @@ class CollectiveFollower(Follower):
     failed syncs: the receiver rejoins by itself.
     """
 
-    def __init__(self, learner_host: str, weights: WeightSyncConfig, name: str, timeout_s: float) -> None:
+    def __init__(self, learner_host: str, weights: WeightSyncConfig, name: str, timeout_s: float,
+                 auth_token: str = "") -> None:  # the TCPStore has no token: the port is bound to transport.host
         self._args = (learner_host, weights.collective_port, name, timeout_s)
         self._latest: tuple[int, dict[str, torch.Tensor]] | None = None
         self._receiver = None

@@ -8,11 +8,12 @@ file, one line in RECEIVERS) and its name in ``dapo.config.WEIGHT_BACKENDS`` (wh
 
 from learner.transports.base import SenderOptions, WeightSender, WeightSyncError
 from learner.transports.collective import CollectiveSender
+from learner.transports.cuda_ipc import CudaIpcSender
 from learner.transports.side_channel import SideChannelSender
 
 SENDERS: dict[str, tuple[type[WeightSender], ...]] = {
     "side_channel": (SideChannelSender,), "grpc_stream": (),
     # The side channel serves a joining actor's first weights and any version the broadcast missed.
-    "collective": (SideChannelSender, CollectiveSender)}
+    "collective": (SideChannelSender, CollectiveSender), "cuda_ipc": (SideChannelSender, CudaIpcSender)}
 
 __all__ = ["SENDERS", "SenderOptions", "WeightSender", "WeightSyncError"]

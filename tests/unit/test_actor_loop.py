@@ -195,7 +195,7 @@ class PushFollower:
     made: list = []
     script: list = []
 
-    def __init__(self, learner_host, weights, name, timeout_s) -> None:
+    def __init__(self, learner_host, weights, name, timeout_s, auth_token="") -> None:
         self.args, self.closed = (learner_host, weights.collective_port, timeout_s), False
         PushFollower.made.append(self)
 

@@ -373,7 +373,13 @@ def test_two_actors_with_the_same_name_are_two_members():
 
 # ---------------------------------------------------------------- one interface test for every backend
 
-BACKENDS = ("side_channel", "grpc_stream", "collective")  # all that run on CPU (NCCL: bench/gpu_check.py)
+BACKENDS = ("side_channel", "grpc_stream", "collective", "cuda_ipc")  # CUDA ones: also bench/gpu_check.py
+NEEDS_CUDA = {"cuda_ipc": "cuda_ipc shares CUDA memory: bench/gpu_check.py runs it (check cuda_ipc)"}
+
+
+def _cpu_backends():
+    return [pytest.param(b, marks=pytest.mark.skipif(b in NEEDS_CUDA and not torch.cuda.is_available(),
+                                                     reason=NEEDS_CUDA.get(b, ""))) for b in BACKENDS]
 
 
 def test_every_backend_has_a_sender_a_receiver_a_config_name_and_this_interface_test():
@@ -385,7 +391,9 @@ def test_every_backend_has_a_sender_a_receiver_a_config_name_and_this_interface_
 
 
 @pytest.mark.parametrize("backend,senders", [("side_channel", ["side_channel"]), ("grpc_stream", []),
-                                             ("collective", ["side_channel", "collective"])])
+                                             ("collective", ["side_channel", "collective"]),
+                                             pytest.param("cuda_ipc", ["side_channel", "cuda_ipc"], marks=pytest.mark.skipif(
+                                                 not torch.cuda.is_available(), reason=NEEDS_CUDA["cuda_ipc"]))])
 def test_the_publisher_runs_its_backends_senders_and_announces_a_side_channel_only_where_one_runs(backend, senders):
     pub = _publisher(backend)
     try:
@@ -420,21 +428,30 @@ class _Announce:
 
 
 @contextmanager
-def _pair(backend: str, timeout_s: float = 10.0, *, dead: bool = False):
-    """(publisher, receiver) of one backend; ``dead``: the peer the receiver reads from never answers."""
-    pub = _publisher(backend, **({"bucket_bytes": 200} if backend == "collective" else {}))
+def _pair(backend: str, timeout_s: float = 10.0, *, dead: bool = False, after_receive=None, max_refetch: int = 3):
+    """(publisher, receiver) of one backend; ``dead``: the peer the receiver reads from never answers;
+    ``after_receive(buf)`` alters the received bytes before they are verified."""
+    options = {"collective": {"bucket_bytes": 200}, "cuda_ipc": {"device": torch.device("cuda", 0)}}
+    pub = _publisher(backend, **options.get(backend, {}))
     silent = socket.create_server(("127.0.0.1", 0))  # accepts connections (backlog), never answers
     servers, closers = [], [pub.close, silent.close]
     try:
         if backend == "collective":
-            rx = CollectiveWeightReceiver("127.0.0.1", pub.senders["collective"].port, "a", timeout_s=timeout_s)
+            rx = CollectiveWeightReceiver("127.0.0.1", pub.senders["collective"].port, "a", timeout_s=timeout_s,
+                                          after_receive=after_receive, max_refetch=max_refetch)
+        elif backend == "cuda_ipc":
+            from actors.transports.cuda_ipc import CudaIpcReceiver
+
+            host, _, port = pub.senders["cuda_ipc"].endpoint.rpartition(":")
+            rx = CudaIpcReceiver(host, int(port), "a", TOKEN, timeout_s=timeout_s, after_receive=after_receive)
         else:
             endpoint = (f"127.0.0.1:{silent.getsockname()[1]}" if dead else pub.senders["side_channel"].endpoint) \
                 if backend == "side_channel" else ""
             source = _Announce(pub, endpoint, stall_reads=dead)
             servers.append(_grpc_server(source))
             closers.append(lambda: source.stall and source.stall.set())
-            rx = NetworkWeightClient(servers[0][1], TOKEN, timeout_s=timeout_s)
+            rx = NetworkWeightClient(servers[0][1], TOKEN, timeout_s=timeout_s, after_receive=after_receive,
+                                     max_refetch=max_refetch)
         closers.insert(0, rx.close)
         yield pub, rx
     finally:
@@ -444,28 +461,35 @@ def _pair(backend: str, timeout_s: float = 10.0, *, dead: bool = False):
             close()
 
 
+PUSH = {"collective", "cuda_ipc"}
+
+
 def _publish_and_receive(backend, pub, rx, sd, version):
-    if backend != "collective":  # pull: the version must be published first
+    if backend not in PUSH:  # pull: the version must be published first
         pub.publish(sd, version=version)
         return rx.receive()
     metrics = []  # push: the publish blocks until the receiver takes part in the broadcast
     th = threading.Thread(target=lambda: metrics.append(pub.publish(sd, version=version)))
     th.start()
-    got = rx.receive()
-    th.join(30)
-    assert metrics[0]["weights/collective_members"] == 1.0, str(pub.errors.get("collective"))
-    return got
+    try:
+        return rx.receive()
+    finally:
+        th.join(30)
+        assert metrics[0][f"weights/{backend}_members"] == 1.0 or f"weights/{backend}_error" in metrics[0], \
+            metrics[0]
 
 
 def _raw(t: torch.Tensor) -> bytes:
     return t.contiguous().numpy().tobytes() if t.dtype != torch.bfloat16 else t.view(torch.int16).numpy().tobytes()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", _cpu_backends())
 def test_every_backend_delivers_bit_exact_weights_with_version_and_checksum(backend):
     sd = _state_dict() | {"odd_floats": torch.tensor([-0.0, float("nan"), 1e-40, -float("inf")])}
+    if backend in NEEDS_CUDA:
+        sd = {k: v.cuda() for k, v in sd.items()}
     sd2 = {k: v * 3 if v.is_floating_point() else v + 1 for k, v in sd.items()}
-    path = {"side_channel": "network/tcp", "grpc_stream": "network/grpc", "collective": "collective"}[backend]
+    path = {"side_channel": "network/tcp", "grpc_stream": "network/grpc"}.get(backend, backend)
     with _pair(backend) as (pub, rx):
         for version, state in ((4, sd), (5, sd2)):
             got_version, out, stats = _publish_and_receive(backend, pub, rx, state, version)
@@ -475,7 +499,7 @@ def test_every_backend_delivers_bit_exact_weights_with_version_and_checksum(back
             assert list(out) == list(state)
             for k in state:  # bytes, not values: -0.0, NaN and denormals must survive
                 assert out[k].dtype == state[k].dtype and out[k].shape == state[k].shape
-                assert _raw(out[k]) == _raw(state[k]), k
+                assert _raw(out[k].cpu()) == _raw(state[k].cpu()), k
             # The receiver's whole buffer (padding included) hashes to the checksums the learner published.
             storage = next(iter(out.values())).untyped_storage()
             buf = torch.empty(0, dtype=torch.uint8).set_(storage)[:published.total_bytes]
@@ -484,7 +508,40 @@ def test_every_backend_delivers_bit_exact_weights_with_version_and_checksum(back
             assert again == published
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", _cpu_backends())
+def test_every_backend_refuses_a_version_with_a_corrupted_byte_and_takes_the_next(backend):
+    sd = _state_dict()
+    if backend in NEEDS_CUDA:
+        sd = {k: v.cuda() for k, v in sd.items()}
+    corrupt = {"left": 1}
+
+    def flip(buf):  # one byte, in every copy of the first version this receiver reads (no repair helps)
+        if corrupt["left"]:
+            buf[buf.numel() // 2] ^= 0x04
+
+    with _pair(backend, after_receive=flip, max_refetch=0) as (pub, rx):
+        with pytest.raises(WeightFetchError, match="checksum"):
+            _publish_and_receive(backend, pub, rx, sd, 1)
+        corrupt["left"] = 0
+        version, out, stats = _publish_and_receive(backend, pub, rx, sd, 2)
+        assert version == 2 and stats.refetched_chunks == 0
+        assert all(_raw(out[k].cpu()) == _raw(sd[k].cpu()) for k in sd)
+
+
+def test_cuda_ipc_refuses_to_start_without_cuda_or_off_this_host():
+    from dapo.config import ConfigError, DapoConfig, LearnerConfig, TransportConfig, WeightSyncConfig
+
+    with pytest.raises(ConfigError, match="cuda_ipc needs learner.device=cuda and an actor on the same host/GPU"):
+        DapoConfig(learner=LearnerConfig(device="cpu"), weights=WeightSyncConfig(backend="cuda_ipc"))
+    with pytest.raises(ConfigError, match="cuda_ipc needs learner.device=cuda"):
+        DapoConfig(learner=LearnerConfig(device="cuda"), transport=TransportConfig(host="10.0.0.1"),
+                   weights=WeightSyncConfig(backend="cuda_ipc"))
+    if not torch.cuda.is_available():  # learner.device=auto resolved to the CPU: refused when the sender starts
+        with pytest.raises(ConfigError, match="cuda_ipc needs learner.device=cuda and an actor on the same host/GPU"):
+            _publisher("cuda_ipc")
+
+
+@pytest.mark.parametrize("backend", _cpu_backends())
 def test_every_backend_raises_a_clear_timeout_error_on_a_dead_peer(backend):
     import time
 
@@ -492,7 +549,7 @@ def test_every_backend_raises_a_clear_timeout_error_on_a_dead_peer(backend):
 
     timeout_s = 1.5
     with _pair(backend, timeout_s, dead=True) as (pub, rx):
-        if backend != "collective":  # the collective peer is dead by never publishing
+        if backend not in PUSH:  # a push backend's peer is dead by never publishing
             pub.publish(_state_dict(), version=1)
         t0 = time.monotonic()
         with pytest.raises((WeightFetchError, LearnerUnavailable), match="timed out|DEADLINE_EXCEEDED"):

@@ -1,0 +1,148 @@
+"""CUDA IPC sender: an actor on rank 0's host (and GPU, as verl and SkyRL co-locate) loads each
+version straight from the learner's GPU buffer, with no copy through the host or the network.
+
+```
+ actor --TCP (loopback only): hello {token, name}-->  accept thread: token checked, peer kept
+ publish(v): to every peer {version, manifest, handle: cuda_ipc_share(buf)}  (protos/transports.py)
+ actor: open handle -> copy into its own GPU buffer -> sum64 verify -> ack {version, ok, copy_s, verify_s}
+```
+
+The publish waits for every ack (bounded by ``timeout_s``), holding the buffer: an actor never reads
+memory the learner has reused. A peer that dies or stalls is dropped (it reconnects) and the publish
+raises WeightSyncError. The control port is ``weights.collective_port``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from dapo.config import ConfigError
+from dapo.weights import WeightManifest
+from learner.transports.base import SenderOptions, WeightSyncError
+from protos.transports import cuda_ipc_share, recv_json, send_json, set_kernel_timeouts
+
+if TYPE_CHECKING:
+    from learner.publisher import VersionStore
+
+NOT_HERE = "cuda_ipc needs learner.device=cuda and an actor on the same host/GPU"
+
+
+class CudaIpcSender:
+    """Push backend for co-located actors; new peers get the latest version on ``catch_up``."""
+
+    name = "cuda_ipc"
+
+    def __init__(self, store: VersionStore, options: SenderOptions) -> None:
+        if options.device.type != "cuda" or not torch.cuda.is_available():
+            raise ConfigError(f"weights.backend=cuda_ipc: {NOT_HERE} (this learner runs on {options.device}, "
+                              f"CUDA available: {torch.cuda.is_available()}); use weights.backend=collective "
+                              "or side_channel")
+        self._store, self._token, self.timeout_s = store, options.auth_token.encode(), options.timeout_s
+        self.device = options.device
+        # Loopback only: an IPC handle is of no use off this host, and the port must not be reachable from it.
+        self._sock = socket.create_server(("127.0.0.1", options.collective_port))
+        self._sock.settimeout(0.5)
+        self.endpoint = f"127.0.0.1:{self._sock.getsockname()[1]}"
+        self.peers: list[tuple[socket.socket, str]] = []
+        self._new: list[tuple[socket.socket, str]] = []  # joined since the last push
+        self.counters = {"rejected": 0}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._accept_loop, name="weights-cuda-ipc", daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, addr = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            set_kernel_timeouts(conn, self.timeout_s)
+            try:
+                hello = recv_json(conn)
+                ok = ipaddress.ip_address(addr[0]).is_loopback and isinstance(hello.get("token"), str) \
+                    and hmac.compare_digest(hello["token"].encode(), self._token)
+            except (OSError, ValueError, ConnectionError):
+                ok = False
+            if not ok:
+                self.counters["rejected"] += 1
+                conn.close()
+                continue
+            with self._lock:
+                self._new.append((conn, str(hello.get("name", "?"))))
+
+    def publish(self, buf: torch.Tensor, manifest: WeightManifest) -> dict[str, float]:
+        with self._lock:
+            self.peers += self._new
+            self._new = []
+            peers = list(self.peers)
+        return self._push(buf, manifest, peers)
+
+    def catch_up(self) -> dict[str, float]:
+        latest = self._store.latest()
+        with self._lock:
+            if latest is None or not self._new:
+                return {}
+            peers, self._new = self._new, []
+            self.peers += peers
+        with self._store.acquire(latest.version) as held:
+            return self._push(held.buf, held.manifest, peers)
+
+    def _push(self, buf: torch.Tensor, manifest: WeightManifest, peers: list[tuple[socket.socket, str]]
+              ) -> dict[str, float]:
+        """Send the handle to ``peers`` and wait for their acks; drop those that fail."""
+        if not peers:
+            return {"weights/cuda_ipc_members": 0.0}
+        t0 = time.perf_counter()
+        if not buf.is_cuda:
+            buf = buf.to(self.device)
+        torch.cuda.current_stream(buf.device).synchronize()  # the flatten's kernels are done before any reader
+        message = {"version": manifest.version, "manifest": manifest.to_json().decode(), "handle": cuda_ipc_share(buf)}
+        failed, acks = [], []
+        for conn, name in peers:
+            try:
+                send_json(conn, message)
+            except OSError as exc:
+                failed.append((conn, name, exc))
+        for conn, name in peers:
+            if any(conn is f[0] for f in failed):
+                continue
+            try:
+                ack = recv_json(conn)
+                if ack.get("version") != manifest.version or ack.get("ok") is not True:
+                    raise ValueError(f"refused: {ack.get('error', ack)}")
+                acks.append(ack)
+            except (OSError, ValueError, ConnectionError) as exc:
+                failed.append((conn, name, exc))
+        out = {"weights/cuda_ipc_members": float(len(peers) - len(failed)),
+               "time/cuda_ipc_transfer_s": time.perf_counter() - t0}
+        for key in ("copy_s", "verify_s"):
+            if acks:
+                out[f"weights/actor_{key}_max"] = max(float(a.get(key, 0.0)) for a in acks)
+        if failed:
+            self._drop([f[0] for f in failed])
+            raise WeightSyncError(f"cuda_ipc push of version {manifest.version} failed for "
+                                  f"{[(n, str(e)) for _, n, e in failed]} (timeout {self.timeout_s} s); those "
+                                  f"actors reconnect and fetch over the side channel meanwhile")
+        return out
+
+    def _drop(self, conns: list[socket.socket]) -> None:
+        with self._lock:
+            self.peers = [p for p in self.peers if p[0] not in conns]
+        for conn in conns:
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._sock.close()
+        self._thread.join(timeout=2)
+        self._drop([c for c, _ in self.peers + self._new])
