@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 
 TEMPLATES = ("auto", "chat", "dapo", "raw")
 BUILTIN = "builtin"
+BUILTIN_LONG = "builtin:long"
+"""The built-in task's long variant (``task.make_chain_rows``: 272-430-token responses)."""
 BUILTIN_EVAL_SEED = 0
 """The built-in held-out set does not depend on ``run.seed``: eval numbers compare across runs."""
 
@@ -201,10 +203,14 @@ class PromptDataset:
 
 def rows_for(path: str, split: str, cfg: Any) -> list[dict[str, Any]]:
     """Rows of ``path`` (a file or ``builtin``); ``split`` picks the built-in task's split."""
-    if path == BUILTIN:
+    if path in (BUILTIN, BUILTIN_LONG):
+        make = task.make_builtin_rows if path == BUILTIN else task.make_chain_rows
         if split == "train":
-            return task.make_builtin_rows("train", cfg.data.builtin_num_train_prompts, cfg.run.seed)
-        return task.make_builtin_rows("eval", cfg.data.builtin_num_eval_prompts, BUILTIN_EVAL_SEED)
+            return make("train", cfg.data.builtin_num_train_prompts, cfg.run.seed)
+        return make("eval", cfg.data.builtin_num_eval_prompts, BUILTIN_EVAL_SEED)
+    if path.startswith("builtin"):
+        raise ValueError(f"dataset {path!r} is not a built-in task: expected `{BUILTIN}` or "
+                         f"`{BUILTIN_LONG}` (the long variant), or a .parquet/.jsonl file.")
     return load_rows(path)
 
 

@@ -134,3 +134,83 @@ def make_builtin_rows(split: str, n: int, seed: int) -> list[dict[str, Any]]:
         "reward_model": {"ground_truth": str(a + b), "style": "rule"},
         "extra_info": {"index": index, "split": split, "a": a, "b": b},
     } for index, (a, b) in enumerate(sample_problems(split, n, seed))]
+
+
+# ------------------------------------------------------------------ the long variant (chains)
+# ``data.train_path=builtin:long``: the sum of CHAIN_OPERANDS_MIN..MAX three-digit numbers, worked
+# as a chain of column additions. The response is long because the task needs it (256-450 tokens
+# with the tiny tokenizer), not because the sampler is stopped from ending: the sampled
+# distribution stays the model's own, so mu, pi_prox and pi_theta stay the same policy (see
+# dapo/conf/experiment/long_response.yaml).
+
+CHAIN_OPERANDS_MIN, CHAIN_OPERANDS_MAX = 7, 9
+
+
+def chain_problem_text(operands: tuple[int, ...]) -> str:
+    """The user message for the sum of ``operands``, e.g. ``"374+458+119"``."""
+    return "+".join(str(x) for x in operands)
+
+
+def chain_split_of(operands: tuple[int, ...]) -> str:
+    """``train`` or ``eval`` for a chain: a fixed hash of the operands, 1 in 16 held out."""
+    digest = hashlib.blake2b(",".join(map(str, operands)).encode(), digest_size=8).digest()
+    return "eval" if int.from_bytes(digest, "little") % EVAL_HASH_MODULUS == 0 else "train"
+
+
+def sample_chain_problems(split: str, n: int, seed: int) -> list[tuple[int, ...]]:
+    """``n`` distinct chains of ``split``, in a fixed order for ``seed``."""
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r} is unknown: expected one of {SPLITS}.")
+    rng = random.Random(f"dapo-builtin-long/{split}/{seed}")
+    out: list[tuple[int, ...]] = []
+    seen: set[tuple[int, ...]] = set()
+    while len(out) < n:
+        count = rng.randint(CHAIN_OPERANDS_MIN, CHAIN_OPERANDS_MAX)
+        ops = tuple(rng.randint(OPERAND_MIN, OPERAND_MAX) for _ in range(count))
+        if ops in seen or chain_split_of(ops) != split:
+            continue
+        seen.add(ops)
+        out.append(ops)
+    return out
+
+
+def _column_work(a: int, b: int, rng: random.Random | None, step_error_prob: float) -> tuple[str, int]:
+    """(columns text, written sum) of a + b, the shorter operand zero-padded on the left; a
+    column sum is written wrong with ``step_error_prob`` (what follows stays consistent)."""
+    width = max(len(str(a)), len(str(b)))
+    steps, digits, carry = [], [], 0
+    for x, y in zip(map(int, reversed(str(a).zfill(width))), map(int, reversed(str(b).zfill(width)))):
+        total = x + y + carry
+        if rng is not None and step_error_prob > 0 and rng.random() < step_error_prob:
+            total = rng.choice([t for t in range(0, 20) if t != total])
+        steps.append(f"{x}+{y}+{carry}={total}")
+        digits.append(total % 10)
+        carry = total // 10
+    if carry:
+        digits.append(carry)
+    return ", ".join(steps), int("".join(str(d) for d in reversed(digits)))
+
+
+def chain_solution(operands: tuple[int, ...], *, rng: random.Random | None = None,
+                   step_error_prob: float = 0.0) -> str:
+    """The response text (without the end-of-turn token) for a chain, e.g. for 374+458+119::
+
+        374+458: 4+8+0=12, 7+5+1=13, 3+4+1=8 =832. 832+119: 2+9+0=11, 3+1+1=5, 8+1+0=9 =951. Answer: 951
+    """
+    acc, links = operands[0], []
+    for x in operands[1:]:
+        work, total = _column_work(acc, x, rng, step_error_prob)
+        links.append(f"{acc}+{x}: {work} ={total}")
+        acc = total
+    return ". ".join(links) + f". Answer: {acc}"
+
+
+def make_chain_rows(split: str, n: int, seed: int) -> list[dict[str, Any]]:
+    """``n`` rows of the long variant in the verl schema (scored by ``verify`` like the short one)."""
+    return [{
+        "data_source": DATA_SOURCE,
+        "prompt": [{"role": "user", "content": chain_problem_text(ops)}],
+        "ability": "arithmetic",
+        "reward_model": {"ground_truth": str(sum(ops)), "style": "rule"},
+        "extra_info": {"index": index, "split": split, "operands": list(ops)},
+    } for index, ops in enumerate(sample_chain_problems(split, n, seed))]
