@@ -18,6 +18,13 @@ Checks:
   publish    0.5B Qwen2 (Qwen2.5-0.5B shape, random init, bf16 on the wire): FSDP full-state gather
              to CPU, serialise + blake3, and a network fetch by a separate client process over the
              raw TCP side channel (verified); seconds for each stage.
+  publish_direct  the device-direct publish (DEVICE_DIRECT_BACKENDS) at the 0.5B shape, bf16: FSDP gather
+             onto the device, flatten + sum64 there (no host staging), checksums equal to sum64 of a host
+             copy, a separate process fetching the device-resident version over the side channel
+             (ranges copied out on request; verified), and a load into a model on the device; seconds each.
+  cuda_ipc   a torch-engine actor in a second process on the same GPU receives two versions over
+             cuda_ipc (IPC handle, copy + sum64 verify on the GPU) and loads them; its weights are
+             compared with the learner's by blake3 digest per tensor; seconds. Skipped without CUDA.
   collective the collective weight path with the backend ``auto`` picks (NCCL on CUDA, gloo on CPU):
              publisher on --device, a receiver thread on a second GPU (NCCL refuses two ranks on one
              device: with one GPU the check says so and is skipped), bit-exact weights, seconds.
@@ -314,13 +321,136 @@ def check_collective(device: torch.device, small: bool) -> dict:
             "ok": exact}
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _digests(sd: dict[str, torch.Tensor]) -> dict[str, str]:
+    """blake3 of each tensor's bytes (independent of the sum64 the transport verifies with)."""
+    import blake3
+
+    return {k: blake3.blake3(v.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+            for k, v in sd.items()}
+
+
+def check_publish_direct(device: torch.device, small: bool) -> dict:
+    import dataclasses
+
+    from dapo.weights import sum64_checksums, unflatten
+    from learner.publisher import WeightPublisher
+    from learner.trainer import Trainer
+    from learner.transports import SenderOptions
+    from protos.transports import resolve_backend
+
+    trainer = Trainer(qwen2(small), dataclasses.replace(settings(torch.bfloat16), gather_on_device=True), device)
+    _sync(device)
+    t0 = time.perf_counter()
+    sd = trainer.full_state_dict()
+    _sync(device)
+    t1 = time.perf_counter()
+    options = SenderOptions("127.0.0.1", "bench", timeout_s=120.0, device=device,
+                            collective_backend=resolve_backend("auto", device))
+    pub = WeightPublisher("collective", options, chunk_bytes=4 << 20, dtype=torch.bfloat16)
+    try:
+        timings = pub.publish(sd, version=1)  # no actor joined: flatten + sum64 on the device only
+        man = pub.store.latest()
+        with pub.store.acquire(1) as held:
+            buf_device = str(held.buf.device)
+            same = sum64_checksums(held.buf.cpu(), man.chunk_bytes) == list(man.chunk_checksums)
+            dst = qwen2(small).to(device=device, dtype=torch.bfloat16)
+            _sync(device)
+            t2 = time.perf_counter()
+            dst.load_state_dict(unflatten(held.buf, man), strict=False)
+            _sync(device)
+            t3 = time.perf_counter()
+        exact = _digests({k: dst.state_dict()[k] for k in sd}) == _digests({k: v.to(torch.bfloat16) for k, v in sd.items()})
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "manifest.json").write_bytes(man.to_json())
+            port = pub.senders["side_channel"].endpoint.rpartition(":")[2]
+            res = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_weights.py"), "--actor", "network",
+                                  "--port", port, "--manifest", str(Path(tmp) / "manifest.json"), "--reps", "2"],
+                                 capture_output=True, text=True, timeout=300, check=True)
+        fetch = [json.loads(line) for line in res.stdout.splitlines()]
+    finally:
+        pub.close()
+    return {"check": "publish_direct", "wire_bytes": man.total_bytes, "gathered_on": str(next(iter(sd.values())).device),
+            "buffer_on": buf_device, "gather_s": t1 - t0, "serialise_s": timings["time/serialise_s"],
+            "load_s": t3 - t2, "side_channel_transfer_s": min(f["transfer_s"] for f in fetch),
+            "side_channel_verify_s": min(f["verify_s"] for f in fetch), "checksum_equals_host": same,
+            "bit_exact": exact, "ok": same and exact and buf_device.startswith(device.type)}
+
+
+def check_cuda_ipc(device: torch.device, small: bool) -> dict:
+    from learner.publisher import WeightPublisher
+    from learner.transports import SenderOptions
+
+    if device.type != "cuda":
+        return {"check": "cuda_ipc", "ok": True, "skipped": "cuda_ipc shares CUDA memory: needs --device cuda"}
+    model = qwen2(small).to(torch.bfloat16)
+    model.config.eos_token_id = 0  # the engine asks for one
+    sd = {k: v.to(device) for k, v in model.state_dict().items() if k != "lm_head.weight"}  # tied
+    sd2 = {k: v * 2 for k, v in sd.items()}
+    pub = WeightPublisher("cuda_ipc", SenderOptions("127.0.0.1", "gpu-check", timeout_s=120.0, collective_port=0,
+                                                    device=device), chunk_bytes=4 << 20)
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp)
+        port = pub.senders["cuda_ipc"].endpoint.rpartition(":")[2]
+        proc = subprocess.Popen([sys.executable, __file__, "--ipc-actor", port, "--model", tmp, "--device", str(device)],
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            version, m, deadline = 0, {}, time.monotonic() + 300
+            while not m.get("weights/cuda_ipc_members"):  # until a publish includes the actor (it loads a model first)
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise TimeoutError(f"the cuda_ipc actor never joined (exit code {proc.poll()})")
+                version += 1
+                m = pub.publish(sd, version=version)
+            m2 = pub.publish(sd2, version=version + 1)
+            out, _ = proc.communicate(timeout=300)
+        finally:
+            proc.kill()
+            pub.close()
+    lines = [json.loads(line) for line in out.splitlines()]
+    exact = lines[-1].get("digests") == _digests(sd2) and lines[-2]["version"] == version + 1
+    return {"check": "cuda_ipc", "wire_bytes": pub.store.latest().total_bytes, "bit_exact": exact,
+            "learner_transfer_s": m2["time/cuda_ipc_transfer_s"], "serialise_s": m2["time/serialise_s"],
+            "actor": lines[-2], "ok": exact and "weights/cuda_ipc_error" not in m2}
+
+
+def ipc_actor_main(port: int, model_dir: str, device: torch.device) -> None:
+    """check cuda_ipc's actor: a torch engine on ``device`` that loads two versions received over cuda_ipc."""
+    from actors.engines.torch_engine import TorchEngine
+    from actors.transports.cuda_ipc import CudaIpcReceiver
+
+    torch.cuda.set_device(device)
+    engine = TorchEngine(model_dir, dtype="bfloat16")
+    engine.model.to(device)
+    rx = CudaIpcReceiver("127.0.0.1", port, "gpu-check-actor", "gpu-check", timeout_s=120.0)
+    for _ in range(2):
+        version, state, stats = rx.receive()
+        t0 = time.perf_counter()
+        engine.load_weights(state, version)
+        torch.cuda.synchronize(device)
+        print(json.dumps({"version": version, "copy_s": stats.transfer_s, "verify_s": stats.verify_s,
+                          "load_s": time.perf_counter() - t0, "on": str(next(iter(state.values())).device)}),
+              flush=True)
+    params = engine.model.state_dict()
+    print(json.dumps({"digests": _digests({k: params[k] for k in state})}), flush=True)
+    rx.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="tiny model everywhere (a CPU dry run)")
-    ap.add_argument("--checks", nargs="+", default=["exactness", "bf16_step", "learner_step", "publish", "collective"])
+    ap.add_argument("--checks", nargs="+", default=["exactness", "bf16_step", "learner_step", "publish", "collective",
+                                                    "publish_direct", "cuda_ipc"])
+    ap.add_argument("--ipc-actor", type=int, default=0, help=argparse.SUPPRESS)  # check cuda_ipc's actor process
+    ap.add_argument("--model", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     device = torch.device(args.device)
+    if args.ipc_actor:
+        return ipc_actor_main(args.ipc_actor, args.model, device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -331,7 +461,8 @@ def main() -> None:
             t0 = time.perf_counter()
             try:
                 out = {"exactness": check_exactness, "bf16_step": check_bf16_step, "learner_step": check_learner_step,
-                       "publish": check_publish, "collective": check_collective}[name](device, args.small)
+                       "publish": check_publish, "collective": check_collective,
+                       "publish_direct": check_publish_direct, "cuda_ipc": check_cuda_ipc}[name](device, args.small)
             except Exception as exc:  # noqa: BLE001 - report every check, then fail
                 out = {"check": name, "ok": False, "error": repr(exc)[:500]}
             out["wall_s"] = time.perf_counter() - t0

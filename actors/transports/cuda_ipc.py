@@ -1,4 +1,4 @@
-"""CUDA IPC receiver: connect to the learner's cuda_ipc port (loopback) -> hello {token, name} ->
+"""CUDA IPC receiver: connect to the learner's cuda_ipc port (loopback) -> hello {token, name} -> joined ->
 per version: {version, manifest, handle} -> open the handle (the learner's GPU buffer) -> copy into
 this actor's GPU buffer -> sum64 verify there -> ack -> state dict on the GPU (the engine loads
 from GPU memory). The sender and the protocol are in ``learner/transports/cuda_ipc.py``."""
@@ -34,7 +34,14 @@ class CudaIpcReceiver:
         self._after_receive = after_receive  # fault injection in tests (corrupt bytes after the copy)
         self._sock = socket.create_connection((host, port), timeout=timeout_s)
         set_kernel_timeouts(self._sock, timeout_s)
-        send_json(self._sock, {"token": auth_token, "name": name})
+        try:
+            send_json(self._sock, {"token": auth_token, "name": name})
+            joined = recv_json(self._sock).get("joined") is True
+        except (OSError, ValueError) as exc:
+            self._sock.close()
+            raise ConnectionError(f"cuda_ipc: the learner at {host}:{port} did not accept this actor ({exc}); "
+                                  "check transport.auth_token and that the actor runs on the learner's host") from exc
+        assert joined, "the learner answers a hello only with joined=true"
         self._buffers = ReceiveBuffer(torch.device("cuda", torch.cuda.current_device()))
 
     def receive(self) -> tuple[int, dict[str, torch.Tensor], FetchStats]:

@@ -2,7 +2,7 @@
 version straight from the learner's GPU buffer, with no copy through the host or the network.
 
 ```
- actor --TCP (loopback only): hello {token, name}-->  accept thread: token checked, peer kept
+ actor --TCP (loopback only): hello {token, name}-->  accept thread: token checked, peer kept, {joined}
  publish(v): to every peer {version, manifest, handle: cuda_ipc_share(buf)}  (protos/transports.py)
  actor: open handle -> copy into its own GPU buffer -> sum64 verify -> ack {version, ok, copy_s, verify_s}
 ```
@@ -79,6 +79,10 @@ class CudaIpcSender:
                 continue
             with self._lock:
                 self._new.append((conn, str(hello.get("name", "?"))))
+            try:
+                send_json(conn, {"joined": True})  # from here on every publish waits for this peer
+            except OSError:
+                self._drop([conn])
 
     def publish(self, buf: torch.Tensor, manifest: WeightManifest) -> dict[str, float]:
         with self._lock:
