@@ -19,8 +19,8 @@ Checks:
              to CPU, serialise + blake3, and a network fetch by a separate client process over the
              raw TCP side channel (verified); seconds for each stage.
   publish_direct  the device-direct publish (DEVICE_DIRECT_BACKENDS) at the 0.5B shape, bf16: FSDP gather
-             onto the device, flatten + sum64 there (no host staging), checksums equal to sum64 of a host
-             copy, a separate process fetching the device-resident version over the side channel
+             onto the device, flatten + sum64 there (no host staging; blake3 on CPU), checksums equal to
+             those of a host copy, a separate process fetching the device-resident version over the side channel
              (ranges copied out on request; verified), and a load into a model on the device; seconds each.
   cuda_ipc   a torch-engine actor in a second process on the same GPU receives two versions over
              cuda_ipc (IPC handle, copy + sum64 verify on the GPU) and loads them; its weights are
@@ -337,7 +337,7 @@ def _digests(sd: dict[str, torch.Tensor]) -> dict[str, str]:
 def check_publish_direct(device: torch.device, small: bool) -> dict:
     import dataclasses
 
-    from dapo.weights import sum64_checksums, unflatten
+    from dapo.weights import manifest_for, unflatten
     from learner.publisher import WeightPublisher
     from learner.trainer import Trainer
     from learner.transports import SenderOptions
@@ -357,7 +357,8 @@ def check_publish_direct(device: torch.device, small: bool) -> dict:
         man = pub.store.latest()
         with pub.store.acquire(1) as held:
             buf_device = str(held.buf.device)
-            same = sum64_checksums(held.buf.cpu(), man.chunk_bytes) == list(man.chunk_checksums)
+            same = manifest_for(held.buf.cpu(), list(man.tensors), version=1, chunk_bytes=man.chunk_bytes,
+                                checksum=man.checksum_algorithm) == man
             dst = qwen2(small).to(device=device, dtype=torch.bfloat16)
             _sync(device)
             t2 = time.perf_counter()
@@ -375,7 +376,7 @@ def check_publish_direct(device: torch.device, small: bool) -> dict:
     finally:
         pub.close()
     return {"check": "publish_direct", "wire_bytes": man.total_bytes, "gathered_on": str(next(iter(sd.values())).device),
-            "buffer_on": buf_device, "gather_s": t1 - t0, "serialise_s": timings["time/serialise_s"],
+            "buffer_on": buf_device, "checksum": man.checksum_algorithm, "gather_s": t1 - t0, "serialise_s": timings["time/serialise_s"],
             "load_s": t3 - t2, "side_channel_transfer_s": min(f["transfer_s"] for f in fetch),
             "side_channel_verify_s": min(f["verify_s"] for f in fetch), "checksum_equals_host": same,
             "bit_exact": exact, "ok": same and exact and buf_device.startswith(device.type)}

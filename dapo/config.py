@@ -335,7 +335,7 @@ class TransportConfig:
 WEIGHT_BACKENDS = ("side_channel", "grpc_stream", "collective", "cuda_ipc")
 """The weight-sync backends: keys of SENDERS (learner/transports/) and RECEIVERS (actors/transports/)."""
 DEVICE_DIRECT_BACKENDS = ("collective", "cuda_ipc")
-"""Backends that publish from the learner's device: rank 0 gathers onto its GPU, flattens and
+"""Backends that publish from the learner's device: a CUDA rank 0 gathers onto its GPU, flattens and
 checksums (sum64) there; the side channel copies only the ranges it is asked for to the host."""
 
 

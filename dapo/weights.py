@@ -12,9 +12,10 @@ checksum has verified every byte and every name, shape and offset.
 Why blake3: measured on this 2-core VM (4 MiB chunks, one thread) blake3 hashes 3.4 GB/s and
 zlib.crc32 3.1 GB/s; blake3 is as fast and does not let a corrupted chunk collide.
 
-The device-direct backends (collective, cuda_ipc) checksum with ``sum64`` instead: torch ops that run
-where the buffer is (a CUDA buffer is never copied to the host to be hashed) and give the same value on
-CPU and CUDA for the same bytes. The manifest names its algorithm, and the version checksum covers it.
+A version built on a GPU (the device-direct backends: collective, cuda_ipc) is checksummed with
+``sum64`` instead: torch ops that run where the buffer is (it is never copied to the host to be
+hashed) and give the same value on CPU and CUDA for the same bytes. The manifest names its
+algorithm, and the version checksum covers it.
 """
 
 from __future__ import annotations

@@ -483,19 +483,22 @@ def _raw(t: torch.Tensor) -> bytes:
     return t.contiguous().numpy().tobytes() if t.dtype != torch.bfloat16 else t.view(torch.int16).numpy().tobytes()
 
 
+@pytest.mark.parametrize("checksum", ["blake3", "sum64"])  # sum64: what a CUDA learner's versions carry
 @pytest.mark.parametrize("backend", _cpu_backends())
-def test_every_backend_delivers_bit_exact_weights_with_version_and_checksum(backend):
+def test_every_backend_delivers_bit_exact_weights_with_version_and_checksum(backend, checksum):
     sd = _state_dict() | {"odd_floats": torch.tensor([-0.0, float("nan"), 1e-40, -float("inf")])}
     if backend in NEEDS_CUDA:
         sd = {k: v.cuda() for k, v in sd.items()}
     sd2 = {k: v * 3 if v.is_floating_point() else v + 1 for k, v in sd.items()}
     path = {"side_channel": "network/tcp", "grpc_stream": "network/grpc"}.get(backend, backend)
     with _pair(backend) as (pub, rx):
+        pub.host_checksum = checksum
         for version, state in ((4, sd), (5, sd2)):
             got_version, out, stats = _publish_and_receive(backend, pub, rx, state, version)
             published = pub.store.latest()
             assert (got_version, stats.version, stats.path) == (version, version, path)
             assert stats.bytes == published.total_bytes and stats.refetched_chunks == 0
+            assert published.checksum_algorithm == ("sum64" if backend in NEEDS_CUDA else checksum)
             assert list(out) == list(state)
             for k in state:  # bytes, not values: -0.0, NaN and denormals must survive
                 assert out[k].dtype == state[k].dtype and out[k].shape == state[k].shape
@@ -508,8 +511,9 @@ def test_every_backend_delivers_bit_exact_weights_with_version_and_checksum(back
             assert again == published
 
 
+@pytest.mark.parametrize("checksum", ["blake3", "sum64"])
 @pytest.mark.parametrize("backend", _cpu_backends())
-def test_every_backend_refuses_a_version_with_a_corrupted_byte_and_takes_the_next(backend):
+def test_every_backend_refuses_a_version_with_a_corrupted_byte_and_takes_the_next(backend, checksum):
     sd = _state_dict()
     if backend in NEEDS_CUDA:
         sd = {k: v.cuda() for k, v in sd.items()}
@@ -520,6 +524,7 @@ def test_every_backend_refuses_a_version_with_a_corrupted_byte_and_takes_the_nex
             buf[buf.numel() // 2] ^= 0x04
 
     with _pair(backend, after_receive=flip, max_refetch=0) as (pub, rx):
+        pub.host_checksum = checksum
         with pytest.raises(WeightFetchError, match="checksum"):
             _publish_and_receive(backend, pub, rx, sd, 1)
         corrupt["left"] = 0
