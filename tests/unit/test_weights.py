@@ -560,3 +560,32 @@ def test_every_backend_raises_a_clear_timeout_error_on_a_dead_peer(backend):
         with pytest.raises((WeightFetchError, LearnerUnavailable), match="timed out|DEADLINE_EXCEEDED"):
             rx.receive()
         assert time.monotonic() - t0 < timeout_s + 5  # bounded by the receiver's deadline, not hung
+
+
+def test_cuda_ipc_control_messages_are_bounded_typed_json_with_deadlines():
+    """The framing and handle checks of the cuda_ipc control connection (the CUDA part: gpu_check)."""
+    import struct
+
+    from protos.transports import MAX_CONTROL_BYTES, cuda_ipc_open, recv_json, send_json, set_kernel_timeouts
+
+    a, b = socket.socketpair()
+    with a, b:
+        set_kernel_timeouts(b, 0.3)
+        send_json(a, {"version": 3, "handle": {"numel": 8}})
+        assert recv_json(b) == {"version": 3, "handle": {"numel": 8}}
+        with pytest.raises(TimeoutError):
+            recv_json(b)  # nothing sent: the deadline, not a hang
+        a.sendall(struct.pack("<I", 2) + b"[]")
+        with pytest.raises(ValueError, match="not a JSON object"):
+            recv_json(b)
+        a.sendall(struct.pack("<I", MAX_CONTROL_BYTES + 1))
+        with pytest.raises(ValueError, match="exceeds"):
+            recv_json(b)
+    good = {"numel": 64, "offset": 0, "device": 0, "storage_bytes": 64, "storage_offset_bytes": 0,
+            "ref_counter_offset": 0, "handle": "00ff", "ref_counter_handle": "", "event_handle": "",
+            "event_sync_required": False}
+    for bad in ({**good, "numel": True}, {**good, "offset": -1}, {**good, "device": "0"},
+                {k: v for k, v in good.items() if k != "handle"}, {**good, "handle": "zz"},
+                {**good, "event_sync_required": 1}):
+        with pytest.raises(ValueError):
+            cuda_ipc_open(bad)
