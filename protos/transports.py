@@ -89,7 +89,7 @@ def abort(group: object | None) -> None:
             pass
 
 
-MAX_CONTROL_BYTES = 1 << 20  # a cuda_ipc control message: a manifest and an IPC handle
+MAX_CONTROL_BYTES = 16 << 20  # a cuda_ipc control message: a manifest (~35 bytes per 4 MiB chunk) and a handle
 
 
 def send_json(sock: socket.socket, message: dict) -> None:

@@ -77,12 +77,13 @@ class CudaIpcSender:
                 self.counters["rejected"] += 1
                 conn.close()
                 continue
-            with self._lock:
-                self._new.append((conn, str(hello.get("name", "?"))))
-            try:
-                send_json(conn, {"joined": True})  # from here on every publish waits for this peer
+            try:  # before it is a peer: a publish must not reach it ahead of this answer
+                send_json(conn, {"joined": True})
             except OSError:
-                self._drop([conn])
+                conn.close()
+                continue
+            with self._lock:  # from here on every publish waits for this peer
+                self._new.append((conn, str(hello.get("name", "?"))))
 
     def publish(self, buf: torch.Tensor, manifest: WeightManifest) -> dict[str, float]:
         with self._lock:
