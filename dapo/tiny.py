@@ -280,13 +280,18 @@ def ensure_tiny_model(cache_dir: str | Path, seed: int = 0, *, progress: bool = 
 
 def resolve_model_path(cfg: Any) -> Path:
     """The model folder of a ``DapoConfig``: ``builtin:tiny`` -> the cached tiny model (built
-    under ``cfg.run.cache_dir`` with ``cfg.run.seed``), else ``cfg.model.path`` itself."""
+    under ``cfg.run.cache_dir`` with ``cfg.run.seed``), ``builtin:tiny-long`` -> its long-task
+    variant, else ``cfg.model.path`` itself."""
     path = cfg.model.path
     if path == BUILTIN_MODEL:
         return ensure_tiny_model(cfg.run.cache_dir, cfg.run.seed)
+    if path == "builtin:tiny-long":  # the long-task variant (dapo.tiny_long), built from this one
+        from dapo.tiny_long import ensure_long_model
+
+        return ensure_long_model(cfg.run.cache_dir, cfg.run.seed)
     if path.startswith("builtin:"):
         raise ValueError(f"model.path {path!r} is not a known built-in model: expected "
-                         f"{BUILTIN_MODEL!r} or a local HF model folder.")
+                         f"{BUILTIN_MODEL!r}, 'builtin:tiny-long' or a local HF model folder.")
     folder = Path(path).expanduser()
     if not (folder / "config.json").is_file():
         raise ValueError(f"model.path {path!r} is not an HF model folder (no config.json there): "

@@ -1,0 +1,140 @@
+"""``builtin:tiny-long``: the embedded tiny model fine-tuned on the long built-in task
+(``dapo.task.chain_solution``: 272-430-token responses), for generation-heavy runs
+(``dapo run experiment=long_response``).
+
+It starts from the default warm-started model (``dapo.tiny``: it already adds three-digit
+numbers column by column) and fine-tunes it, supervised, on train-split chains: a *skill* phase
+on clean chains, then a short *noise* phase where a column sum is written wrong with a small
+probability, so that sampled chains (temperature 1) are sometimes wrong and groups have mixed
+accuracy (dynamic sampling keeps them). Same tokenizer and weights layout; the context grows to
+``LONG_RECIPE["max_position_embeddings"]`` (RoPE has no learned position weights, so only the
+config changes). Cached and built atomically like the default (``ensure_long_model``); the
+default model's folder is left as it is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from dapo import task, tiny
+
+log = logging.getLogger(__name__)
+
+LONG_MODEL = "builtin:tiny-long"
+
+LONG_RECIPE: dict[str, Any] = {
+    "version": 1,
+    "max_position_embeddings": 1024,
+    "batch_size": 16,
+    "warmup_steps": 10,
+    "skill": {"steps": 400, "lr": 2e-3, "step_error_prob": 0.0},
+    "noise": {"steps": 40, "lr": 3e-4, "step_error_prob": 0.02},
+}
+"""What determines the long model (with the default ``tiny.RECIPE`` it starts from): its hash
+names the cache folder."""
+
+
+def long_recipe_hash(seed: int) -> str:
+    blob = json.dumps({"long": LONG_RECIPE, "base": tiny.recipe_hash(seed), "seed": seed}, sort_keys=True).encode()
+    return hashlib.blake2b(blob, digest_size=6).hexdigest()
+
+
+def _batch(tokenizer: Any, chains: list[tuple[int, ...]], rng: random.Random, error_prob: float) -> tuple[Any, Any, Any]:
+    """(input ids, attention mask, loss mask over targets): loss on response tokens only."""
+    import torch
+
+    pad_id = tokenizer.convert_tokens_to_ids(tiny.PAD_TOKEN)
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": task.chain_problem_text(c)}],
+                                             add_generation_prompt=True, tokenize=False) for c in chains]
+    responses = [task.chain_solution(c, rng=rng, step_error_prob=error_prob) + tiny.EOS_TOKEN for c in chains]
+    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    response_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
+    seqs = [p + r for p, r in zip(prompt_ids, response_ids)]
+    width = max(len(s) for s in seqs)
+    ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs])
+    attn = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
+    loss_mask = torch.tensor([[0.0] * len(p) + [1.0] * len(r) + [0.0] * (width - len(p) - len(r))
+                              for p, r in zip(prompt_ids, response_ids)])[:, 1:]
+    return ids, attn, loss_mask
+
+
+def _fine_tune(model: Any, tokenizer: Any, seed: int) -> dict[str, float]:
+    import torch
+    import torch.nn.functional as F
+
+    torch.manual_seed(seed)
+    rng = random.Random(f"dapo-tiny-long/{seed}")
+    phases = (LONG_RECIPE["skill"], LONG_RECIPE["noise"])
+    bs = LONG_RECIPE["batch_size"]
+    chains = iter(task.sample_chain_problems("train", sum(p["steps"] for p in phases) * bs, seed=seed + 2_000_000))
+    model.train()
+    last = {}
+    for name, phase in zip(("skill", "noise"), phases):
+        opt = torch.optim.AdamW(model.parameters(), lr=phase["lr"], betas=(0.9, 0.98), weight_decay=0.0)
+        for step in range(phase["steps"]):
+            lr = phase["lr"] * min(1.0, (step + 1) / LONG_RECIPE["warmup_steps"]) \
+                * 0.5 * (1 + math.cos(math.pi * step / phase["steps"]))
+            for group in opt.param_groups:
+                group["lr"] = lr
+            ids, attn, mask = _batch(tokenizer, [next(chains) for _ in range(bs)], rng, phase["step_error_prob"])
+            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
+            nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
+                                  reduction="none").view_as(mask)
+            loss = (nll * mask).sum() / mask.sum()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            last[f"{name}_final_loss"] = loss.item()
+            if step % 50 == 0:
+                log.info("tiny-long %s step %d: loss %.3f", name, step, loss.item())
+    model.eval()
+    return last
+
+
+def _write_folder(out: Path, base: Path, seed: int) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.monotonic()
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    model.config.max_position_embeddings = LONG_RECIPE["max_position_embeddings"]
+    tokenizer.model_max_length = LONG_RECIPE["max_position_embeddings"]
+    stats = _fine_tune(model, tokenizer, seed)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    shutil.copy(base / "generation_config.json", out / "generation_config.json")
+    info = {"long_recipe": LONG_RECIPE, "base": base.name, "seed": seed,
+            "build_time_s": round(time.monotonic() - t0, 2), "fine_tune": stats}
+    (out / "dapo_tiny.json").write_text(json.dumps(info, indent=2) + "\n")
+
+
+def ensure_long_model(cache_dir: str | Path, seed: int = 0, *, progress: bool = True) -> Path:
+    """Path of the long model folder for ``seed``, building it (and the default model) once."""
+    base = tiny.ensure_tiny_model(cache_dir, seed, progress=progress)
+    cache_dir = Path(cache_dir)
+    final = cache_dir / f"tiny-long-{long_recipe_hash(seed)}-seed{seed}"
+    if (final / "dapo_tiny.json").is_file():
+        return final
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-long-build-", dir=cache_dir))
+    try:
+        _write_folder(tmp, base, seed)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "dapo_tiny.json").is_file():  # another builder finished the same build first
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
