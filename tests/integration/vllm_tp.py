@@ -48,11 +48,11 @@ def dump(groups) -> list:
 if __name__ == "__main__":  # vLLM spawns its TP workers: they re-import this file
     from transformers import AutoModelForCausalLM
 
-    from actors.engines.vllm_engine import VllmEngine
+    from actors.engines import make_engine
 
     model_dir, tp = sys.argv[1], int(sys.argv[2])
     state = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
-    engine = VllmEngine(model_dir, max_model_len_tokens=64, seed=0, tensor_parallel_size=tp)
+    engine = make_engine("vllm", model_dir, dtype="float32", max_model_len_tokens=64, seed=0, tensor_parallel_size=tp)
     out = {"workers": engine._llm.apply_model(worker_info)}
     gen = dict(n=2, max_tokens=6, temperature=1.0, top_p=1.0, seed=0)
     out["v0"] = dump(engine.generate(PROMPTS, **gen))
