@@ -48,6 +48,8 @@ from dapo import task
 log = logging.getLogger(__name__)
 
 BUILTIN_MODEL = "builtin:tiny"
+BUILTIN_LONG_MODEL = "builtin:tiny-long"
+"""The long-task variant (``dapo.tiny_long``), fine-tuned from this one."""
 
 RECIPE: dict[str, Any] = {
     "version": 4,
@@ -285,13 +287,13 @@ def resolve_model_path(cfg: Any) -> Path:
     path = cfg.model.path
     if path == BUILTIN_MODEL:
         return ensure_tiny_model(cfg.run.cache_dir, cfg.run.seed)
-    if path == "builtin:tiny-long":  # the long-task variant (dapo.tiny_long), built from this one
+    if path == BUILTIN_LONG_MODEL:
         from dapo.tiny_long import ensure_long_model
 
         return ensure_long_model(cfg.run.cache_dir, cfg.run.seed)
     if path.startswith("builtin:"):
         raise ValueError(f"model.path {path!r} is not a known built-in model: expected "
-                         f"{BUILTIN_MODEL!r}, 'builtin:tiny-long' or a local HF model folder.")
+                         f"{BUILTIN_MODEL!r}, {BUILTIN_LONG_MODEL!r} or a local HF model folder.")
     folder = Path(path).expanduser()
     if not (folder / "config.json").is_file():
         raise ValueError(f"model.path {path!r} is not an HF model folder (no config.json there): "

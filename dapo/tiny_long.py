@@ -1,6 +1,6 @@
-"""``builtin:tiny-long``: the embedded tiny model fine-tuned on the long built-in task
-(``dapo.task.chain_solution``: 272-430-token responses), for generation-heavy runs
-(``dapo run experiment=long_response``).
+"""``builtin:tiny-long`` (``tiny.BUILTIN_LONG_MODEL``): the embedded tiny model fine-tuned on the
+long built-in task (``dapo.task.chain_solution``: 272-430-token responses), for generation-heavy
+runs (``dapo run experiment=long_response``).
 
 It starts from the default warm-started model (``dapo.tiny``: it already adds three-digit
 numbers column by column) and fine-tunes it, supervised, on train-split chains: a *skill* phase
@@ -30,8 +30,6 @@ from dapo import task, tiny
 
 log = logging.getLogger(__name__)
 
-LONG_MODEL = "builtin:tiny-long"
-
 LONG_RECIPE: dict[str, Any] = {
     "version": 1,
     "max_position_embeddings": 1024,
@@ -49,7 +47,8 @@ def long_recipe_hash(seed: int) -> str:
     return hashlib.blake2b(blob, digest_size=6).hexdigest()
 
 
-def _batch(tokenizer: Any, chains: list[tuple[int, ...]], rng: random.Random, error_prob: float) -> tuple[Any, Any, Any]:
+def _batch(tokenizer: Any, chains: list[tuple[int, ...]], rng: random.Random,
+           error_prob: float) -> tuple[Any, Any, Any]:
     """(input ids, attention mask, loss mask over targets): loss on response tokens only."""
     import torch
 

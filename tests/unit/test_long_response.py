@@ -47,7 +47,8 @@ def test_chain_splits_are_disjoint_and_rows_are_scored_by_the_builtin_verifier()
 
 def test_preset_fits_the_long_responses():
     cfg = load_config(["experiment=long_response"])
-    assert (cfg.model.path, cfg.data.train_path, cfg.data.eval_path) == ("builtin:tiny-long", "builtin:long", "builtin:long")
+    assert cfg.model.path == "builtin:tiny-long"
+    assert cfg.data.train_path == cfg.data.eval_path == "builtin:long"
     # Longest correct response (430) below the soft-punishment ramp; prompt + response fit the context.
     assert 430 < cfg.actor.max_response_tokens - cfg.algorithm.overlong_cache_tokens
     assert cfg.data.max_prompt_tokens + cfg.actor.max_response_tokens <= cfg.model.max_model_len_tokens
@@ -72,7 +73,8 @@ def test_long_model_writes_256_to_450_token_responses_on_the_torch_engine():
     path = str(tiny.resolve_model_path(cfg))
     tok = AutoTokenizer.from_pretrained(path)
     rows = data.rows_for(cfg.data.eval_path, "eval", cfg)[:4]
-    prompts = [tok(tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False), add_special_tokens=False)["input_ids"] for r in rows]
+    texts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows]
+    prompts = tok(texts, add_special_tokens=False)["input_ids"]
     engine = make_engine("torch", path, dtype="float32", max_model_len_tokens=cfg.model.max_model_len_tokens, seed=0)
     try:
         groups = engine.generate(prompts, 2, cfg.actor.max_response_tokens, 1.0, 1.0, seed=0)
