@@ -6,8 +6,10 @@ RPC would msgpack them into lists. With ``tensor_parallel_size`` > 1 the engine 
 and only the model workers are processes (vLLM's ``mp`` executor, started with ``spawn``: the
 program that builds the engine needs an ``if __name__ == "__main__":`` guard). The executor's
 shared-memory queue carries CPU tensors as raw buffers, so loads hand it CPU tensors; every worker
-gets the full checkpoint tensors and its layers' weight loaders cut out its shard. ``reload_weights`` (not ``model.load_weights``) because on
-CPU vLLM repacks linear weights after loading and only the reload path redoes that.
+gets the full checkpoint tensors and its layers' weight loaders cut out its shard; functions
+sent to the workers (``apply_model``) must be importable by name. ``reload_weights`` (not
+``model.load_weights``) because on CPU vLLM repacks linear weights after loading and only the
+reload path redoes that.
 
 Generation drives the engine step by step (``LLMEngine.step``), so that an in-flight load
 happens between two steps: running requests keep their KV blocks and continue with the new

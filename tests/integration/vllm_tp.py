@@ -2,10 +2,11 @@
 
     python tests/integration/vllm_tp.py MODEL_DIR TENSOR_PARALLEL_SIZE
 
-Phases (tokens, log-probs and per-token versions of each): ``v0`` the checkpoint's weights;
-``workers``: [pid, q/k/v rows held] per model worker; ``reloaded`` after loading weights that differ from the checkpoint in every kind of sharded
-tensor (attention, MLP, embedding/lm_head) and in a replicated one (norm); ``inflight`` a
-generate that loads the checkpoint back after the first decoding step, keeping the KV cache.
+``workers``: [pid, q/k/v rows held] per model worker. Phases (tokens, log-probs and per-token
+versions of each): ``v0`` the checkpoint's weights; ``reloaded`` after loading weights that differ
+from the checkpoint in every kind of sharded tensor (attention, MLP, embedding/lm_head) and in a
+replicated one (norm); ``inflight`` a generate that loads the checkpoint back after the first
+decoding step, keeping the KV cache.
 """
 
 import json
