@@ -76,6 +76,23 @@ def sample_problems(split: str, n: int, seed: int) -> list[tuple[int, int]]:
     return out
 
 
+def _column_work(a: int, b: int, rng: random.Random | None, step_error_prob: float) -> tuple[str, int]:
+    """(columns text, written sum) of a + b, the shorter operand zero-padded on the left; a
+    column sum is written wrong with ``step_error_prob`` (what follows stays consistent)."""
+    width = max(len(str(a)), len(str(b)))
+    steps, digits, carry = [], [], 0
+    for x, y in zip(map(int, reversed(str(a).zfill(width))), map(int, reversed(str(b).zfill(width)))):
+        total = x + y + carry
+        if rng is not None and step_error_prob > 0 and rng.random() < step_error_prob:
+            total = rng.choice([t for t in range(0, 20) if t != total])
+        steps.append(f"{x}+{y}+{carry}={total}")
+        digits.append(total % 10)
+        carry = total // 10
+    if carry:
+        digits.append(carry)
+    return ", ".join(steps), int("".join(str(d) for d in reversed(digits)))
+
+
 def worked_solution(a: int, b: int, *, rng: random.Random | None = None,
                     step_error_prob: float = 0.0, verbose: bool = False) -> str:
     """The response text (without the end-of-turn token) for a + b.
@@ -84,21 +101,10 @@ def worked_solution(a: int, b: int, *, rng: random.Random | None = None,
     probability; carries and the answer then follow the written (wrong) sums, so the text stays
     self-consistent and only the arithmetic is wrong. ``verbose`` works the columns twice.
     """
-    steps, answer_digits, carry = [], [], 0
-    for x, y in zip(map(int, reversed(str(a))), map(int, reversed(str(b)))):  # digits, lowest first
-        total = x + y + carry
-        if rng is not None and step_error_prob > 0 and rng.random() < step_error_prob:
-            total = rng.choice([t for t in range(0, 20) if t != total])
-        steps.append(f"{x}+{y}+{carry}={total}")
-        answer_digits.append(total % 10)
-        carry = total // 10
-    if carry:
-        answer_digits.append(carry)
-    answer = "".join(str(d) for d in reversed(answer_digits))
-    work = ", ".join(steps)
+    work, answer = _column_work(a, b, rng, step_error_prob)
     if verbose:
         work = f"{work}, again {work}"
-    return f"{work}. Answer: {int(answer)}"
+    return f"{work}. Answer: {answer}"
 
 
 def verify(response: str, ground_truth: str) -> tuple[bool, str]:
@@ -172,23 +178,6 @@ def sample_chain_problems(split: str, n: int, seed: int) -> list[tuple[int, ...]
         seen.add(ops)
         out.append(ops)
     return out
-
-
-def _column_work(a: int, b: int, rng: random.Random | None, step_error_prob: float) -> tuple[str, int]:
-    """(columns text, written sum) of a + b, the shorter operand zero-padded on the left; a
-    column sum is written wrong with ``step_error_prob`` (what follows stays consistent)."""
-    width = max(len(str(a)), len(str(b)))
-    steps, digits, carry = [], [], 0
-    for x, y in zip(map(int, reversed(str(a).zfill(width))), map(int, reversed(str(b).zfill(width)))):
-        total = x + y + carry
-        if rng is not None and step_error_prob > 0 and rng.random() < step_error_prob:
-            total = rng.choice([t for t in range(0, 20) if t != total])
-        steps.append(f"{x}+{y}+{carry}={total}")
-        digits.append(total % 10)
-        carry = total // 10
-    if carry:
-        digits.append(carry)
-    return ", ".join(steps), int("".join(str(d) for d in reversed(digits)))
 
 
 def chain_solution(operands: tuple[int, ...], *, rng: random.Random | None = None,

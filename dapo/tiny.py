@@ -41,7 +41,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 from dapo import task
 
@@ -182,19 +182,19 @@ def _sft_batch(tokenizer: Any, problems: list[tuple[int, int]], rng: random.Rand
     return ids, attn, loss_mask
 
 
-def _train_phase(model: Any, tokenizer: Any, problems: Any, rng: random.Random, phase: dict[str, Any],
-                 steps: int, lr: float, bar: Any) -> list[float]:
+def sft_steps(model: Any, steps: int, lr: float, warmup_steps: int,
+              next_batch: Callable[[], tuple[Any, Any, Any]]) -> Iterator[float]:
+    """AdamW on the masked next-token loss of ``next_batch()`` (ids, attention mask, loss mask over
+    targets), one batch a step; lr: a linear warm-up, then a cosine decay to 0 at the end. Yields the losses."""
     import torch
     import torch.nn.functional as F
 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
-    losses = []
     for step in range(steps):
-        # A linear warm-up, then a cosine decay to 0 at the end of the phase.
-        step_lr = lr * min(1.0, (step + 1) / RECIPE["sft_warmup_steps"]) * 0.5 * (1 + math.cos(math.pi * step / steps))
+        step_lr = lr * min(1.0, (step + 1) / warmup_steps) * 0.5 * (1 + math.cos(math.pi * step / steps))
         for group in opt.param_groups:
             group["lr"] = step_lr
-        ids, attn, mask = _sft_batch(tokenizer, [next(problems) for _ in range(RECIPE["sft_batch_size"])], rng, phase)
+        ids, attn, mask = next_batch()
         logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
         nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
                               reduction="none").view_as(mask)
@@ -203,10 +203,20 @@ def _train_phase(model: Any, tokenizer: Any, problems: Any, rng: random.Random, 
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(loss.item())
+        yield loss.item()
+
+
+def _train_phase(model: Any, tokenizer: Any, problems: Any, rng: random.Random, phase: dict[str, Any],
+                 steps: int, lr: float, bar: Any) -> list[float]:
+    def batch() -> tuple[Any, Any, Any]:
+        return _sft_batch(tokenizer, [next(problems) for _ in range(RECIPE["sft_batch_size"])], rng, phase)
+
+    losses = []
+    for step, loss in enumerate(sft_steps(model, steps, lr, RECIPE["sft_warmup_steps"], batch)):
+        losses.append(loss)
         bar.update(1)
         if step % 10 == 0:
-            bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+            bar.set_postfix(loss=f"{loss:.3f}", refresh=False)
     return losses
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 import os
 import random
 import shutil
@@ -69,7 +68,6 @@ def _batch(tokenizer: Any, chains: list[tuple[int, ...]], rng: random.Random,
 
 def _fine_tune(model: Any, tokenizer: Any, seed: int) -> dict[str, float]:
     import torch
-    import torch.nn.functional as F
 
     torch.manual_seed(seed)
     rng = random.Random(f"dapo-tiny-long/{seed}")
@@ -79,24 +77,14 @@ def _fine_tune(model: Any, tokenizer: Any, seed: int) -> dict[str, float]:
     model.train()
     last = {}
     for name, phase in zip(("skill", "noise"), phases):
-        opt = torch.optim.AdamW(model.parameters(), lr=phase["lr"], betas=(0.9, 0.98), weight_decay=0.0)
-        for step in range(phase["steps"]):
-            lr = phase["lr"] * min(1.0, (step + 1) / LONG_RECIPE["warmup_steps"]) \
-                * 0.5 * (1 + math.cos(math.pi * step / phase["steps"]))
-            for group in opt.param_groups:
-                group["lr"] = lr
-            ids, attn, mask = _batch(tokenizer, [next(chains) for _ in range(bs)], rng, phase["step_error_prob"])
-            logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]
-            nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                                  reduction="none").view_as(mask)
-            loss = (nll * mask).sum() / mask.sum()
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            last[f"{name}_final_loss"] = loss.item()
+        def batch(phase: dict[str, Any] = phase) -> tuple[Any, Any, Any]:
+            return _batch(tokenizer, [next(chains) for _ in range(bs)], rng, phase["step_error_prob"])
+
+        for step, loss in enumerate(tiny.sft_steps(model, phase["steps"], phase["lr"], LONG_RECIPE["warmup_steps"],
+                                                   batch)):
+            last[f"{name}_final_loss"] = loss
             if step % 50 == 0:
-                log.info("tiny-long %s step %d: loss %.3f", name, step, loss.item())
+                log.info("tiny-long %s step %d: loss %.3f", name, step, loss)
     model.eval()
     return last
 

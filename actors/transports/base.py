@@ -9,6 +9,7 @@ checksums are always verified, a corrupted chunk is refetched up to ``max_refetc
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -49,6 +50,33 @@ class Follower:
 
     def close(self) -> None:
         pass
+
+
+class PushFollower(Follower):
+    """The follower of a push backend: a thread (``_run``) receives every published version and
+    ``_offer``s it; ``take()`` hands the newest not taken before to the loop."""
+
+    def __init__(self, thread_name: str) -> None:
+        self._latest: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        threading.Thread(target=self._run, daemon=True, name=thread_name).start()
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def _offer(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        copy = {k: v.clone() for k, v in state.items()}  # the state views a buffer the next receive() overwrites
+        with self._lock:
+            self._latest = (version, copy)
+
+    def take(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        with self._lock:
+            latest, self._latest = self._latest, None
+        return latest
+
+    def close(self) -> None:
+        self._closed.set()
 
 
 RangeReader = Callable[[memoryview, int, int], None]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 import time
 from datetime import timedelta
 from typing import Callable
@@ -17,7 +16,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from actors.transports.base import FetchStats, Follower, RangeReader, ReceiveBuffer, WeightFetchError, repair
+from actors.transports.base import FetchStats, PushFollower, RangeReader, ReceiveBuffer, WeightFetchError, repair
 from dapo.config import WeightSyncConfig
 from dapo.weights import WeightManifest, unflatten
 from protos import transports
@@ -136,7 +135,7 @@ class CollectiveWeightReceiver:
         self._pg, self._cuda_buffers = None, None
 
 
-class CollectiveFollower(Follower):
+class CollectiveFollower(PushFollower):
     """The follower of the collective: a thread that joins the learner's broadcast group and
     receives every published version (the learner's broadcast waits for each member, so receiving
     cannot wait for the actor loop); ``take()`` hands the newest to the loop. Membership survives
@@ -146,11 +145,8 @@ class CollectiveFollower(Follower):
     def __init__(self, learner_host: str, weights: WeightSyncConfig, name: str, timeout_s: float,
                  auth_token: str = "") -> None:  # the TCPStore has no token: the port is bound to transport.host
         self._args = (learner_host, weights.collective_port, name, timeout_s)
-        self._latest: tuple[int, dict[str, torch.Tensor]] | None = None
         self._receiver = None
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
-        threading.Thread(target=self._run, daemon=True, name="actor-collective-weights").start()
+        super().__init__("actor-collective-weights")
 
     def _run(self) -> None:
         host, port, name, timeout_s = self._args
@@ -170,18 +166,9 @@ class CollectiveFollower(Follower):
                 if receiver is None:  # the learner's store is not up: do not spin
                     self._closed.wait(1.0)
                 continue
-            # The state dict views a buffer the next receive() overwrites: keep a copy.
-            copy = {k: v.clone() for k, v in state.items()}
-            with self._lock:
-                self._latest = (version, copy)
-
-    def take(self) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """The newest received (version, state dict) not taken before, if any."""
-        with self._lock:
-            latest, self._latest = self._latest, None
-        return latest
+            self._offer(version, state)
 
     def close(self) -> None:
-        self._closed.set()
+        super().close()
         if self._receiver is not None:  # the learner's next sync drops this member instead of failing on it
             self._receiver.leave()

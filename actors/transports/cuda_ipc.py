@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
 import time
 from typing import Callable
 
 import torch
 
-from actors.transports.base import FetchStats, Follower, ReceiveBuffer, WeightFetchError
+from actors.transports.base import FetchStats, PushFollower, ReceiveBuffer, WeightFetchError
 from dapo.config import WeightSyncConfig
 from dapo.weights import WeightError, WeightManifest, bad_chunks, unflatten
 from protos.transports import cuda_ipc_open, recv_json, send_json, set_kernel_timeouts
@@ -85,17 +84,14 @@ class CudaIpcReceiver:
         self._sock.close()
 
 
-class CudaIpcFollower(Follower):
+class CudaIpcFollower(PushFollower):
     """A thread that receives every version over CUDA IPC; ``take()`` hands the newest to the loop.
     Reconnects after a failure; an actor without CUDA stays on the network path and says why."""
 
     def __init__(self, learner_host: str, weights: WeightSyncConfig, name: str, timeout_s: float,
                  auth_token: str = "") -> None:
         self._args = (learner_host, weights.collective_port, name, auth_token, timeout_s)
-        self._latest: tuple[int, dict[str, torch.Tensor]] | None = None
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
-        threading.Thread(target=self._run, daemon=True, name="actor-cuda-ipc-weights").start()
+        super().__init__("actor-cuda-ipc-weights")
 
     def _run(self) -> None:
         host, port, name, token, timeout_s = self._args
@@ -118,16 +114,7 @@ class CudaIpcFollower(Follower):
                     receiver = None
                 self._closed.wait(1.0)
                 continue
-            copy = {k: v.clone() for k, v in state.items()}  # the receive buffer is reused
-            with self._lock:
-                self._latest = (version, copy)
+            self._offer(version, state)
         if receiver is not None:
             receiver.close()
 
-    def take(self) -> tuple[int, dict[str, torch.Tensor]] | None:
-        with self._lock:
-            latest, self._latest = self._latest, None
-        return latest
-
-    def close(self) -> None:
-        self._closed.set()
