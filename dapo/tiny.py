@@ -271,10 +271,28 @@ def _write_folder(out: Path, seed: int, progress: bool) -> None:
 
 def ensure_tiny_model(cache_dir: str | Path, seed: int = 0, *, progress: bool = True) -> Path:
     """Path of the warm-started tiny model folder for ``seed``, building it once (cached)."""
-    cache_dir = Path(cache_dir)
-    final = cache_dir / f"tiny-{recipe_hash(seed)}-seed{seed}"
+    final = Path(cache_dir) / f"tiny-{recipe_hash(seed)}-seed{seed}"
+    return build_once(final, lambda tmp: _write_folder(tmp, seed, progress))
+
+
+def build_once(final: Path, write: Callable[[Path], None]) -> Path:
+    """``final``, unless it is complete already: written by ``write(folder)`` into a temporary folder
+    beside it and renamed into place: concurrent builders leave one complete copy, never a partial one."""
     if (final / "dapo_tiny.json").is_file():
         return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-build-", dir=final.parent))
+    try:
+        write(tmp)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            # Another process finished the same build first: its folder is identical, keep it.
+            if not (final / "dapo_tiny.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=cache_dir))
     try:

@@ -17,10 +17,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import random
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -110,18 +108,5 @@ def _write_folder(out: Path, base: Path, seed: int) -> None:
 def ensure_long_model(cache_dir: str | Path, seed: int = 0, *, progress: bool = True) -> Path:
     """Path of the long model folder for ``seed``, building it (and the default model) once."""
     base = tiny.ensure_tiny_model(cache_dir, seed, progress=progress)
-    cache_dir = Path(cache_dir)
-    final = cache_dir / f"tiny-long-{long_recipe_hash(seed)}-seed{seed}"
-    if (final / "dapo_tiny.json").is_file():
-        return final
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-long-build-", dir=cache_dir))
-    try:
-        _write_folder(tmp, base, seed)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "dapo_tiny.json").is_file():  # another builder finished the same build first
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return tiny.build_once(Path(cache_dir) / f"tiny-long-{long_recipe_hash(seed)}-seed{seed}",
+                           lambda tmp: _write_folder(tmp, base, seed))
