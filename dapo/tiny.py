@@ -293,19 +293,6 @@ def build_once(final: Path, write: Callable[[Path], None]) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=cache_dir))
-    try:
-        _write_folder(tmp, seed, progress)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            # Another process finished the same build first: its folder is identical, keep it.
-            if not (final / "dapo_tiny.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
 
 
 def resolve_model_path(cfg: Any) -> Path:
