@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import sys
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -145,10 +143,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = main()
-    # As actors/__main__.py: skip the interpreter's teardown, which aborts on a native thread in a
-    # c10d store wait (the collective weight receiver).
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    from actors.main import exit_without_teardown
+
+    exit_without_teardown(main())
