@@ -21,7 +21,6 @@ import json
 import signal
 import time
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
