@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import replace
 
 log = logging.getLogger("actors")
 
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from actors.client import AuthError, CoordinatorClient
-    from actors.engines import make_engine
+    from actors.engines import make_engine, resolve_engine
     from actors.loop import Actor
     from actors.metrics import ActorMetrics, serve_prometheus
     from actors.transports.network import NetworkWeightClient
@@ -71,7 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     from dapo.tiny import resolve_model_path
 
     model_path = str(resolve_model_path(cfg))
-    engine = make_engine(cfg.actor.engine, model_path, dtype=cfg.model.dtype,
+    kind = resolve_engine(cfg.actor.engine, model_path, tensor_parallel_size=cfg.actor.tensor_parallel_size)
+    if kind != cfg.actor.engine:
+        log.info("actor.engine=auto: %s for %s", kind, model_path)
+        cfg = replace(cfg, actor=replace(cfg.actor, engine=kind))  # what the actor reports to the learner
+    engine = make_engine(kind, model_path, dtype=cfg.model.dtype,
                          max_model_len_tokens=cfg.model.max_model_len_tokens, seed=cfg.actor.seed,
                          enforce_eager=cfg.actor.enforce_eager,
                          tensor_parallel_size=cfg.actor.tensor_parallel_size)

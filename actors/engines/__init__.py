@@ -1,8 +1,25 @@
-"""Inference engines behind one interface (``Engine``): vLLM (default) and a pure-torch fallback."""
+"""Inference engines behind one interface (``Engine``): vLLM and a pure-torch engine; ``actor.engine=auto`` picks one by model size."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from actors.engines.base import Engine, Sample
+
+
+# actor.engine=auto: below this many bytes of weight files the torch engine wins (dapo/config.py ActorConfig.engine).
+AUTO_TORCH_MAX_WEIGHT_BYTES = 64 * 2**20
+
+
+def resolve_engine(kind: str, model_path: str, *, tensor_parallel_size: int = 1) -> str:
+    """``actor.engine`` with ``auto`` decided: ``torch`` for a model folder whose weight files total under
+    ``AUTO_TORCH_MAX_WEIGHT_BYTES`` on one device, ``vllm`` otherwise (a hub id is not a folder: vllm)."""
+    if kind != "auto":
+        return kind
+    folder = Path(model_path)
+    weight_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors")) if folder.is_dir() else 0
+    small = 0 < weight_bytes < AUTO_TORCH_MAX_WEIGHT_BYTES
+    return "torch" if small and tensor_parallel_size == 1 else "vllm"
 
 
 def make_engine(kind: str, model_path: str, *, dtype: str, max_model_len_tokens: int, seed: int,
@@ -21,4 +38,4 @@ def make_engine(kind: str, model_path: str, *, dtype: str, max_model_len_tokens:
     raise ValueError(f"actor.engine = {kind!r} is unknown: expected vllm or torch")
 
 
-__all__ = ["Engine", "Sample", "make_engine"]
+__all__ = ["Engine", "Sample", "make_engine", "resolve_engine"]

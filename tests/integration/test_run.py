@@ -26,7 +26,7 @@ STEPS, EVAL_EVERY, N, K = 40, 20, 8, 1
 def test_dapo_run_learns_within_the_staleness_bound_and_writes_the_run_folder(tmp_path):
     run_dir = tmp_path / "run"
     overrides = [f"run.run_dir={run_dir}", f"learner.total_steps={STEPS}", f"learner.eval_every_steps={EVAL_EVERY}",
-                 f"learner.checkpoint_every_steps={STEPS}", "run.num_actors=2", f"algorithm.num_prompts_per_step={N}",
+                 f"learner.checkpoint_every_steps={STEPS}", "run.num_actors=2", "actor.engine=vllm", f"algorithm.num_prompts_per_step={N}",
                  f"algorithm.max_staleness_steps={K}", f"run.cache_dir={ROOT / '.cache' / 'dapo'}",
                  # port 0 everywhere: the launcher reads the learner's ports from its start-up line
                  "transport.grpc_port=0", "transport.zmq_port=0", "weights.side_channel_port=0",
