@@ -266,11 +266,13 @@ def startup_breakdown(run_dir: Path, records: list[dict], started_unix_s: float,
         return "-" if t is None else f"{t - started_unix_s:.1f} s"
 
     ready = next((r["unix_time_s"] for r in records if r.get("step") == 0 and "unix_time_s" in r), None)
+    # A reused run_dir keeps earlier runs' logs (appended to): only what happened after this start counts.
     logs = [log.read_text(errors="replace") for log in (run_dir / "logs").glob("actor*.log")]
-    registered = [datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
-                  for found in map(REGISTERED_LINE.search, logs) if found]
-    heads = [path.read_text().split("\n", 1) for path in (run_dir / "logs").glob("generations-*.jsonl")]
-    first_group = min((json.loads(h[0])["unix_time_s"] for h in heads if len(h) == 2), default=None)
+    registered = [t for log in logs for stamp in REGISTERED_LINE.findall(log)
+                  if (t := datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()) >= started_unix_s]
+    groups = [json.loads(line)["unix_time_s"] for path in (run_dir / "logs").glob("generations-*.jsonl")
+              for line in path.read_text().split("\n")[:-1]]  # complete lines only: the actor may be writing
+    first_group = min((t for t in groups if t >= started_unix_s), default=None)
     first_step = next((r["unix_time_s"] for r in records if "time/step_s" in r), None)
     return (f"dapo run: start-up: children started {at(spawned_unix_s)}, learner serving version 0 {at(ready)}, "
             f"first actor registered {at(min(registered, default=None))}, first lease generated {at(first_group)}, "

@@ -113,3 +113,27 @@ def test_dapo_run_refuses_a_bad_config_before_it_writes_anything(tmp_path, capsy
     assert exit_.value.code == 2
     assert capsys.readouterr().err.startswith(says)
     assert not (tmp_path / "run").exists()
+
+
+def test_the_start_up_line_ignores_what_an_earlier_run_in_the_same_folder_logged(tmp_path):
+    """A reused run_dir keeps the earlier run's actor logs and generation records (appended to): the
+    milestones are this run's, never negative."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    started = 1_800_000_000.0
+
+    def stamp(t: float) -> str:
+        from datetime import datetime
+
+        return datetime.fromtimestamp(t).strftime("%Y-%m-%d %H:%M:%S,%f")[:-3]
+
+    (logs / "actor0.log").write_text(
+        f"{stamp(started - 60)} actor INFO actors.loop: registered as actor 1 of run a\n"
+        f"{stamp(started + 3.25)} actor INFO actors.loop: registered as actor 2 of run b\n")
+    (logs / "generations-vm-1.jsonl").write_text(
+        json.dumps({"unix_time_s": started - 59}) + "\n" + json.dumps({"unix_time_s": started + 3.75}) + "\n"
+        + '{"unix_time_s": 17')  # a line the actor is still writing
+    records = [{"step": 0, "unix_time_s": started + 2.5}, {"step": 1, "time/step_s": 0.3, "unix_time_s": started + 4.5}]
+    line = run.startup_breakdown(tmp_path, records, started, started + 0.25)
+    assert line == ("dapo run: start-up: children started 0.2 s, learner serving version 0 2.5 s, first actor "
+                    "registered 3.2 s, first lease generated 3.8 s, first step trained 4.5 s (after `dapo run` started)")
