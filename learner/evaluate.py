@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 import torch
 
@@ -27,17 +27,15 @@ from dapo.evaluation import sampled_accuracy
 
 
 class Evaluator:
-    def __init__(self, cfg: DapoConfig, model_path: Path) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    def __init__(self, cfg: DapoConfig, model_path: Path, tokenizer: Any) -> None:
         from dapo.data import build_dataset
 
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        dataset = build_dataset(cfg, "eval", self.tokenizer)
+        self.cfg, self.model_path, self.tokenizer = cfg, model_path, tokenizer
+        dataset = build_dataset(cfg, "eval", tokenizer)  # here: a bad held-out set stops the start-up
         self.prompts = [dataset[i] for i in range(len(dataset))]
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32,
-                                                          attn_implementation="sdpa").eval()
-        self.cfg = cfg
+        # Built by the first evaluation's thread: loading the model copy stays off the learner's
+        # start-up path (the version-0 evaluation runs while the actors start generating).
+        self.model: torch.nn.Module | None = None
         self._thread: threading.Thread | None = None
         self._results: dict[int, dict[str, float]] = {}
         self._error: BaseException | None = None
@@ -45,10 +43,22 @@ class Evaluator:
     def submit(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Evaluate ``state_dict`` as ``version`` in the background; ``result(version)`` has it."""
         self.wait()
-        # strict=False: the published dict omits the tied lm_head copy (it is the embedding).
-        self.model.load_state_dict(dict(state_dict), strict=False)
-        self._thread = threading.Thread(target=self._run, args=(version,), name="eval", daemon=True)
+        # Copied now: the learner updates its weights in place right after. strict=False: the
+        # published dict omits the tied lm_head copy (it is the embedding).
+        if self.model is None:
+            weights = {name: t.detach().clone() for name, t in state_dict.items()}
+        else:
+            self.model.load_state_dict(dict(state_dict), strict=False)
+            weights = None
+        self._thread = threading.Thread(target=self._run, args=(version, weights), name="eval", daemon=True)
         self._thread.start()
+
+    def _build(self, weights: Mapping[str, torch.Tensor]) -> None:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32, attn_implementation="sdpa")
+        model.load_state_dict(dict(weights), strict=False)
+        self.model = model.eval()
 
     def result(self, version: int, *, block: bool = False) -> dict[str, float] | None:
         """The metrics of a submitted version: None while it runs (``block``: wait for it). Raises
@@ -64,8 +74,10 @@ class Evaluator:
             self._thread.join()
             self._thread = None
 
-    def _run(self, version: int) -> None:
+    def _run(self, version: int, weights: Mapping[str, torch.Tensor] | None) -> None:
         try:
+            if weights is not None:
+                self._build(weights)
             self._results[version] = self._sample()
         except BaseException as exc:  # noqa: BLE001 - re-raised in the loop's thread by result()
             self._error = exc

@@ -67,7 +67,8 @@ def start_services(cfg: DapoConfig, model_path: Path, run_state: dict,
     from learner.transports import SenderOptions
 
     t = cfg.transport
-    prompts = build_dataset(cfg, "train", AutoTokenizer.from_pretrained(model_path))
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompts = build_dataset(cfg, "train", tokenizer)
     coordinator = Coordinator.from_config(cfg, _Source(prompts))
     if "coordinator" in run_state:
         coordinator.load_state_dict(run_state["coordinator"])
@@ -92,7 +93,7 @@ def start_services(cfg: DapoConfig, model_path: Path, run_state: dict,
     if cfg.learner.eval_every_steps:
         from learner.evaluate import Evaluator
 
-        evaluator = Evaluator(cfg, model_path)
+        evaluator = Evaluator(cfg, model_path, tokenizer)
     services = Rank0Services(coordinator, replay, publisher, metrics, run_dir / "trained_prompts.jsonl", server,
                                   evaluator)
     senders = ", ".join(f"{name} {sender.endpoint}" for name, sender in publisher.senders.items())
