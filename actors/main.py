@@ -40,6 +40,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--shell-exit-codes", action="store_true",
                         help="exit 128 + the signal number (130 for SIGINT, 143 for SIGTERM) after a requested "
                              "stop instead of 0, as shells and some schedulers expect")
+    parser.add_argument("--config", metavar="FILE",
+                        help="a config.resolved.json written by `dapo run` / `dapo learner` instead of composing "
+                             "one; overrides then are plain section.key=value settings on top of it")
     parser.add_argument("overrides", nargs="*", help="Hydra config overrides (key=value)")
     args = parser.parse_args(argv)
     host, _, port = args.learner.rpartition(":")
@@ -53,10 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s actor %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
     received = stop_on_signals(stop)  # before the slow imports: a Ctrl-C is never a KeyboardInterrupt
-    from dapo.config import ConfigError, load_config
+    from dapo.config import ConfigError, load_config, load_resolved
 
     try:
-        cfg = load_config(args.overrides)
+        cfg = load_resolved(args.config, args.overrides) if args.config else load_config(args.overrides)
     except ConfigError as exc:
         log.error("%s", exc)
         return 2

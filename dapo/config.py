@@ -559,21 +559,6 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)
 
 
-def to_overrides(cfg: DapoConfig) -> list[str]:
-    """Hydra overrides that rebuild ``cfg`` exactly (used to start child services)."""
-    out = []
-    for group, sub in to_dict(cfg).items():
-        for key, value in sub.items():
-            if value is None:
-                value = "null"
-            elif isinstance(value, bool):
-                value = str(value).lower()
-            elif isinstance(value, str):
-                value = "'" + value.replace("'", "\\'") + "'" if value else "''"
-            out.append(f"{group}.{key}={value}")
-    return out
-
-
 def save_resolved(cfg: DapoConfig) -> Path:
     """Write ``cfg`` to ``<run.run_dir>/config.resolved.json`` (what the learner ranks read) and return the path."""
     path = Path(cfg.run.run_dir) / "config.resolved.json"
@@ -583,10 +568,29 @@ def save_resolved(cfg: DapoConfig) -> Path:
     return tmp.replace(path)
 
 
-def load_resolved(path: str | Path) -> DapoConfig:
-    """The config ``save_resolved`` wrote, typed and validated again, with no Hydra compose."""
+def load_resolved(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> DapoConfig:
+    """The config ``save_resolved`` wrote, typed and validated again, with no Hydra compose.
+
+    ``overrides``: plain ``section.key=value`` settings on top (e.g. each actor's ``actor.seed``), the
+    value read as YAML (as Hydra reads it) and of the key's type; no config groups, no ``+``/``~``."""
     try:
         data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path} is not a config written by `dapo run` or `dapo learner`: {exc!r}") from None
+    for item in overrides:
+        import yaml  # omegaconf's dependency
+
+        dotted, sep, text = item.partition("=")
+        section, _, key = dotted.partition(".")
+        known = sep and isinstance(data.get(section), dict) and key in data[section]
+        old, value = (data[section][key], yaml.safe_load(text)) if known else (None, None)
+        same_type = old is None or value is None or isinstance(value, type(old)) or (
+            isinstance(old, float) and isinstance(value, int) and not isinstance(value, bool))
+        if not known or not same_type:
+            raise ConfigError(f"override {item!r} on {path}: expected section.key=value with a key of the config "
+                              f"and a value of its type (see `dapo config`)")
+        data[section][key] = value
+    try:
         return DapoConfig(**{f.name: f.default_factory(**data[f.name]) for f in dataclasses.fields(DapoConfig)})
-    except (KeyError, TypeError, json.JSONDecodeError) as exc:
+    except (KeyError, TypeError) as exc:
         raise ConfigError(f"{path} is not a config written by `dapo run` or `dapo learner`: {exc!r}") from None

@@ -30,7 +30,7 @@ from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
-from dapo.config import DapoConfig, save_resolved, to_overrides
+from dapo.config import DapoConfig, save_resolved
 from dapo.launch import latest_checkpoint, reserve_port, resolve_config, signal_on_parent_death, spawn
 from dapo.runtime import apply_service_env
 
@@ -131,7 +131,6 @@ def main(argv: list[str] | None = None) -> int:
     started_unix_s = time.time()
     cfg, config_path = prepare(args.overrides)
     run_dir = Path(cfg.run.run_dir)
-    overrides = to_overrides(cfg)  # the actors compose their own config (a user starts them by hand too)
     stop = {"why": ""}
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, _frame: stop.update(why=signal.Signals(signum).name))
@@ -141,8 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     # The ports are known before the learner is up: actors start now and register as soon as the
     # coordinator answers (they retry while it does not), instead of waiting for it to be ready.
     addr = f"{_connect_host(cfg.transport.host)}:{cfg.transport.grpc_port}"
-    actors = [Child(f"actor{i}", [sys.executable, "-m", "actors", "--learner", addr, *overrides,
-                                  f"actor.seed={cfg.actor.seed + i}"], run_dir / "logs")
+    actors = [Child(f"actor{i}", actor_command(addr, config_path, cfg.actor.seed + i), run_dir / "logs")
               for i in range(cfg.run.num_actors)]
     spawned_unix_s = time.time()
     print(f"dapo run: learner pid {learner.proc.pid}, actors {[a.proc.pid for a in actors]}; "
@@ -258,6 +256,11 @@ def learner_command(num_ranks: int, config_path: Path) -> tuple[list[str], dict[
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     return [sys.executable, "-m", "learner.main", "--config", str(config_path)], env
+
+
+def actor_command(learner_addr: str, config_path: Path, seed: int) -> list[str]:
+    """`dapo actor` on the launcher's resolved config (no compose of its own) with its own sampling seed."""
+    return [sys.executable, "-m", "actors", "--learner", learner_addr, "--config", str(config_path), f"actor.seed={seed}"]
 
 
 def startup_breakdown(run_dir: Path, records: list[dict], started_unix_s: float, spawned_unix_s: float) -> str:

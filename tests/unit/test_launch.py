@@ -1,14 +1,16 @@
-"""dapo.launch: a run's config is composed once, by the launcher, and the learner ranks get exactly
-that config from the file it wrote; the `dapo learner` argument split; refusals before anything starts."""
+"""dapo.launch: a run's config is composed once, by the launcher, and the learner ranks and actors get
+exactly that config from the file it wrote (each actor with its own seed); the `dapo learner` argument split; refusals before anything starts."""
 
 from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 
 import pytest
 
 import dapo.config
+from actors.main import parse_args as parse_actor_args
 from dapo.config import ConfigError, load_config, load_resolved, save_resolved
 from dapo.launch import learner_pool, resolve_config, run
 from learner.main import read_config
@@ -52,6 +54,8 @@ def test_dapo_run_hands_its_learner_the_config_it_composed_once(tmp_path, compos
     assert (torchrun, overrides, config) == ([], [], str(path))
     pool_cfg = resolve_config("dapo learner", overrides, config)
     assert read_config(rank_argv(learner_pool.torchrun_command(pool_cfg, torchrun))) == cfg
+    actor = parse_actor_args(run.actor_command("127.0.0.1:5", path, 7)[3:])  # after `python -m actors`
+    assert load_resolved(actor.config, actor.overrides) == replace(cfg, actor=replace(cfg.actor, seed=7))
     assert len(composes) == 1
 
 
@@ -88,6 +92,19 @@ def test_a_resolved_config_reads_back_exactly_and_a_bad_one_names_what_is_wrong(
     path.write_text('{"model": ')
     with pytest.raises(ConfigError, match="not a config written by `dapo run` or `dapo learner`"):
         load_resolved(path)
+
+
+def test_settings_on_top_of_a_resolved_config_keep_each_keys_type_or_name_what_is_wrong(tmp_path):
+    path = save_resolved(load_config([f"run.run_dir={tmp_path}"]))
+    cfg = load_resolved(path, ["actor.seed=3", "learner.lr=1", "algorithm.tis_cap=null", "run.run_dir='a=b c'",
+                               "actor.update_mode=inflight", "learner.wandb=true"])
+    assert (cfg.actor.seed, cfg.learner.lr, cfg.algorithm.tis_cap, cfg.run.run_dir, cfg.actor.update_mode,
+            cfg.learner.wandb) == (3, 1.0, None, "a=b c", "inflight", True)
+    for bad in ["actor.seed=three", "actor.sead=3", "actor=3", "actor.seed", "learner.lr=true", "nope.x=1"]:
+        with pytest.raises(ConfigError, match="expected section.key=value with a key of the config"):
+            load_resolved(path, [bad])
+    with pytest.raises(ConfigError, match="actor.update_mode"):  # validated as any config is
+        load_resolved(path, ["actor.update_mode=sometimes"])
 
 
 def test_dapo_learner_splits_torchrun_flags_overrides_and_its_config_file():
