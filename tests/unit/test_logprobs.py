@@ -1,6 +1,7 @@
 """Chunked log-probs (learner/logprobs.py): the same values and gradients as the plain
 log_softmax over full logits, through the function, through the model's LM head, and through the
-FSDP2 trainer with and without activation checkpointing (1 rank in-process, 2 gloo ranks spawned)."""
+trainer with and without activation checkpointing (1 rank in-process, plain module and forced FSDP2;
+2 gloo ranks spawned, FSDP2)."""
 
 from __future__ import annotations
 
@@ -127,7 +128,19 @@ def test_config_validates_the_new_learner_keys():
 
 VARIANTS = {"plain": dict(logprob_chunk_tokens=0), "chunk5": dict(logprob_chunk_tokens=5),
             "chunk5_ac": dict(logprob_chunk_tokens=5, activation_checkpointing=True),
-            "plain_ac": dict(logprob_chunk_tokens=0, activation_checkpointing=True)}
+            "plain_ac": dict(logprob_chunk_tokens=0, activation_checkpointing=True),
+            # FSDP2 at one rank, forced: its hooks inside checkpointed layers (the 2-rank path's)
+            "chunk5_ac_sharded": dict(logprob_chunk_tokens=5, activation_checkpointing=True, shard_single_rank=True)}
+
+
+def _variant_settings(variant: str):
+    from tests.unit.test_trainer import _settings
+
+    learner = dict(VARIANTS[variant])
+    settings = _settings("token-mean", "recompute")
+    settings.shard_single_rank = learner.pop("shard_single_rank", False)
+    settings.learner = dataclasses.replace(settings.learner, **learner)
+    return settings
 
 
 def _one_step(variant: str) -> dict:
@@ -137,37 +150,39 @@ def _one_step(variant: str) -> dict:
 
     from learner.batch import scatter_batch
     from learner.trainer import Trainer
-    from tests.unit.test_trainer import _settings, random_batch, tiny_model
+    from tests.unit.test_trainer import full, random_batch, tiny_model
 
-    settings = _settings("token-mean", "recompute")
-    settings.learner = dataclasses.replace(settings.learner, **VARIANTS[variant])
+    settings = _variant_settings(variant)
     trainer = Trainer(tiny_model(), settings, torch.device("cpu"))
+    assert trainer.sharded == (dist.get_world_size() > 1 or settings.shard_single_rank)
+    assert trainer.model.is_gradient_checkpointing == settings.learner.activation_checkpointing
     shard = scatter_batch(random_batch() if dist.get_rank() == 0 else None, num_minibatches=1,
                           max_tokens_per_microbatch=40)
     prox = trainer.recompute_prox(shard)
     sums = dict.fromkeys(_SUM_KEYS, 0.0)
     loss = torch.tensor([trainer.forward_backward(shard, 0, prox, sums), sums["entropy"]], dtype=torch.float64)
     dist.all_reduce(loss)
-    grads = {n: p.grad.full_tensor().clone() for n, p in trainer.model.named_parameters()}
+    grads = {n: full(p.grad).clone() for n, p in trainer.model.named_parameters()}
     return {"loss": float(loss[0]), "entropy": float(loss[1]), "grads": grads, "micro": shard.num_microbatches,
             "clip": _compare_clips(trainer)}
 
 
 def _compare_clips(trainer) -> tuple[float, float, float]:
-    """The CPU-offload clip (local norms, one all-reduce) against torch's DTensor clip_grad_norm_ on the
-    same sharded gradients, at max_norm = half the norm so that both really scale: (norm by torch,
-    norm by ours, largest difference of the clipped gradients)."""
+    """The CPU-offload clip (local norms, one all-reduce) against torch's clip_grad_norm_ on the same
+    gradients (DTensor shards, or plain tensors at one rank), at max_norm = half the norm so that both
+    really scale: (norm by torch, norm by ours, largest difference of the clipped gradients)."""
     from learner.trainer import clip_offloaded_grads_
+    from tests.unit.test_trainer import full, local
 
     params = list(trainer.model.parameters())
-    saved = [p.grad.to_local().clone() for p in params]
-    norm = torch.nn.utils.clip_grad_norm_(params, float("inf")).full_tensor()
-    ref_norm = torch.nn.utils.clip_grad_norm_(params, float(norm) / 2).full_tensor()
-    ref = [p.grad.to_local().clone() for p in params]
+    saved = [local(p.grad).clone() for p in params]
+    norm = full(torch.nn.utils.clip_grad_norm_(params, float("inf")))
+    ref_norm = full(torch.nn.utils.clip_grad_norm_(params, float(norm) / 2))
+    ref = [local(p.grad).clone() for p in params]
     for p, g in zip(params, saved):
-        p.grad.to_local().copy_(g)
+        local(p.grad).copy_(g)
     ours = clip_offloaded_grads_(params, float(norm) / 2, torch.device("cpu"))
-    diff = max(float((p.grad.to_local() - r).abs().max()) for p, r in zip(params, ref))
+    diff = max(float((local(p.grad) - r).abs().max()) for p, r in zip(params, ref))
     return float(ref_norm), float(ours), diff
 
 
@@ -197,7 +212,7 @@ def test_trainer_chunked_and_checkpointed_grads_equal_plain_on_one_rank():
             dist.destroy_process_group()
     assert runs["plain"]["micro"] > 2  # several micro-batches, each with > 5 loss tokens somewhere
     assert any(float(g.abs().max()) > 1e-3 for g in runs["plain"]["grads"].values())
-    for v in ("chunk5", "chunk5_ac", "plain_ac"):
+    for v in ("chunk5", "chunk5_ac", "plain_ac", "chunk5_ac_sharded"):
         _assert_same(runs[v], runs["plain"], v)
     for v, run in runs.items():
         ref_norm, ours, diff = run["clip"]
@@ -211,11 +226,9 @@ def _one_sequence_step(variant: str) -> dict[str, float]:
 
     from learner.batch import scatter_batch
     from learner.trainer import Trainer
-    from tests.unit.test_trainer import _settings, random_batch, tiny_model
+    from tests.unit.test_trainer import random_batch, tiny_model
 
-    settings = _settings("token-mean", "recompute")
-    settings.learner = dataclasses.replace(settings.learner, **VARIANTS[variant])
-    trainer = Trainer(tiny_model(), settings, torch.device("cpu"))
+    trainer = Trainer(tiny_model(), _variant_settings(variant), torch.device("cpu"))
     one = random_batch(seed=3, num_groups=1, group_size=1)
     return trainer.train_step(scatter_batch(one if dist.get_rank() == 0 else None, num_minibatches=1,
                                             max_tokens_per_microbatch=1000))

@@ -30,6 +30,17 @@ def tiny_model(seed: int = 0) -> torch.nn.Module:
     return Qwen2ForCausalLM(cfg).float()
 
 
+def full(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a parameter, gradient or norm: gathered from FSDP2's DTensor shards, or the
+    plain tensor of a one-rank trainer (which skips fully_shard)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter or gradient: its DTensor shard, or the plain tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def random_batch(seed: int = 1, num_groups: int = 4, group_size: int = 3) -> SampleBatch:
     g = torch.Generator().manual_seed(seed)
     seq_lens, toks, logps, masks = [], [], [], []
@@ -97,7 +108,8 @@ def _worker(rank: int, world: int, init_file: str, budgets: list[int], out_dir: 
                                   "sampler_prox_abs_logp_diff", "sampler_prox_kl_k3"), 0.0)
             loss = torch.tensor(trainer.forward_backward(shard, 0, prox, sums), dtype=torch.float64)
             dist.all_reduce(loss)
-            grads = {n: p.grad.full_tensor() for n, p in trainer.model.named_parameters()}
+            assert trainer.sharded == (world > 1)
+            grads = {n: full(p.grad) for n, p in trainer.model.named_parameters()}
             if rank == 0:
                 torch.save({"loss": float(loss), "grads": grads, "micro": shard.num_microbatches},
                            Path(out_dir) / f"{agg}-w{world}-b{budget}.pt")
@@ -431,3 +443,73 @@ def test_training_steps_on_two_ranks_match_the_objective_computed_from_first_pri
     mp.spawn(_reference_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     out = torch.load(tmp_path / "reference-w2.pt")
     check_against_reference(out["metrics"], out["weights"], 2)
+
+
+# ------------------------------------------------- one rank: the plain module against FSDP2 (forced)
+
+
+def _one_rank_trainer(shard_single_rank: bool, seed: int = 0):
+    from learner.trainer import Trainer
+
+    settings = _ref_settings(2)
+    settings.shard_single_rank = shard_single_rank
+    trainer = Trainer(tiny_model(seed), settings, torch.device("cpu"))
+    assert trainer.sharded == shard_single_rank
+    return trainer
+
+
+def _ref_shard(step: int):
+    from learner.batch import from_groups
+
+    batch = from_groups(wire_groups(seed=20 + step), _ref_settings(2).algorithm)
+    return scatter_batch(batch, num_minibatches=2, max_tokens_per_microbatch=24)
+
+
+@pytest.mark.timeout(120)
+def test_one_rank_plain_module_trains_exactly_as_fsdp2(one_gloo_rank):
+    """At one float32 rank the trainer skips fully_shard. The same steps (2 mini-batches, several
+    micro-batches, grad clip, warm-up) through FSDP2 give bit-identical metrics and weights, and
+    full_state_dict is a copy that the next step's in-place updates leave alone."""
+    plain, sharded = _one_rank_trainer(False), _one_rank_trainer(True)
+    assert all(not hasattr(p, "to_local") for p in plain.model.parameters())
+    assert all(hasattr(p, "to_local") for p in sharded.model.parameters())
+    published = {}
+    for step in range(REF_STEPS):
+        shard = _ref_shard(step)
+        got, want = plain.train_step(shard), sharded.train_step(shard)
+        for key, value in want.items():
+            if not key.startswith("time/"):
+                assert got[key] == value, (step, key, got[key], value)
+        published = {"plain": plain.full_state_dict(), "sharded": sharded.full_state_dict()}
+        for name, w in published["sharded"].items():
+            assert torch.equal(published["plain"][name], w), (step, name)
+    snapshot = {mode: {k: v.clone() for k, v in sd.items()} for mode, sd in published.items()}
+    plain.train_step(_ref_shard(0))
+    sharded.train_step(_ref_shard(0))
+    for mode, trainer in (("plain", plain), ("sharded", sharded)):
+        for name, w in published[mode].items():
+            assert torch.equal(w, snapshot[mode][name]), (mode, name)  # not a view of the parameters
+        assert not torch.equal(full(dict(trainer.model.named_parameters())["model.norm.weight"]).detach(),
+                               published[mode]["model.norm.weight"])  # while they did move
+
+
+@pytest.mark.timeout(120)
+def test_checkpoints_of_the_plain_module_and_of_fsdp2_load_into_each_other(one_gloo_rank, tmp_path):
+    """One DCP layout for both: plain saves, FSDP2 (other init) resumes and saves, plain resumes
+    that; all three then take the same next step to the same weights."""
+    from learner import checkpoint
+
+    a = _one_rank_trainer(False)
+    a.train_step(_ref_shard(0))
+    checkpoint.save(tmp_path / "a", 1, a.model, a.optimizer, a.scheduler, {"step": 1}, None)
+    b = _one_rank_trainer(True, seed=5)
+    assert checkpoint.load(checkpoint.latest_checkpoint(tmp_path / "a"), b.model, b.optimizer, b.scheduler) == {
+        "step": 1}
+    checkpoint.save(tmp_path / "b", 1, b.model, b.optimizer, b.scheduler, {"step": 1}, None)
+    c = _one_rank_trainer(False, seed=6)
+    checkpoint.load(checkpoint.latest_checkpoint(tmp_path / "b"), c.model, c.optimizer, c.scheduler)
+    metrics = [t.train_step(_ref_shard(1)) for t in (a, b, c)]
+    assert metrics[0]["train/lr"] == metrics[1]["train/lr"] == metrics[2]["train/lr"] < REF_OPT["lr"]  # warm-up
+    weights = [t.full_state_dict() for t in (a, b, c)]
+    for name, w in weights[0].items():
+        assert torch.equal(weights[1][name], w) and torch.equal(weights[2][name], w), name
