@@ -21,14 +21,16 @@ computed at once (tests/unit/test_trainer.py checks ≤ 1e-5).
 One rank, float32, no CPU offload: the module is not ``fully_shard``-ed (``Trainer.sharded`` is
 False). FSDP2 there shards nothing, casts nothing and reduces nothing; it only adds DTensor dispatch
 to every parameter op and hooks around every layer, and AdamW on DTensors runs op by op in Python.
-The plain module trains the same (same parameter names, same gradients: tests/unit/test_trainer.py
-compares it with the sharded one) in ~15 % less CPU per step (bench/bench_learner_step.py). Mixed
+The plain module trains the same (same parameter names; metrics and weights bit-identical to FSDP2's
+at one rank, tests/unit/test_trainer.py) in ~7 % less CPU per step (tiny model, 8 × 8 batch:
+bench/bench_learner_step.py). Mixed
 precision (float32 master weights, bfloat16 compute) and CPU offload are FSDP2's policies, so those
 keep it at one rank too; ``TrainerSettings.shard_single_rank`` forces it (tests, benchmarks).
 
 AdamW runs its ``foreach`` kernels (one op per parameter list, not per parameter; torch picks them by
 default only on CUDA): bit-identical to the per-parameter path for plain tensors and for FSDP2's
-DTensors, measured at 1 and 2 gloo ranks, ~2x faster on the CPU. Not ``fused``: it differs by ~1e-8.
+DTensors, measured at 1 and 2 gloo ranks; ~2x faster per optimizer step on the CPU, ~3 % of the
+learner step. Not ``fused``: it differs by ~1e-8.
 """
 
 from __future__ import annotations
