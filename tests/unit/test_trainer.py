@@ -467,10 +467,15 @@ def _ref_shard(step: int):
 
 @pytest.mark.timeout(120)
 def test_one_rank_plain_module_trains_exactly_as_fsdp2(one_gloo_rank):
-    """At one float32 rank the trainer skips fully_shard. The same steps (2 mini-batches, several
-    micro-batches, grad clip, warm-up) through FSDP2 give bit-identical metrics and weights, and
+    """At one float32 rank the trainer skips fully_shard and runs AdamW's foreach kernels. The same
+    steps (2 mini-batches, several micro-batches, grad clip, warm-up) through FSDP2 with the
+    per-parameter AdamW (the trainer before both) give bit-identical metrics and weights, and
     full_state_dict is a copy that the next step's in-place updates leave alone."""
     plain, sharded = _one_rank_trainer(False), _one_rank_trainer(True)
+    assert plain.optimizer.defaults["foreach"]
+    sharded.optimizer = torch.optim.AdamW(sharded.model.parameters(), lr=REF_OPT["lr"],
+                                          weight_decay=REF_OPT["weight_decay"])
+    sharded.scheduler = torch.optim.lr_scheduler.LambdaLR(sharded.optimizer, sharded.scheduler.lr_lambdas[0])
     assert all(not hasattr(p, "to_local") for p in plain.model.parameters())
     assert all(hasattr(p, "to_local") for p in sharded.model.parameters())
     published = {}
