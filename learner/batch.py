@@ -9,10 +9,11 @@
           RankShard per rank ──(dist.scatter of int64 + float32 tensors, no pickle)──> every rank
                       │
                       ▼
-          PackedMicroBatch: one row [1, T] = several sequences back to back, position ids restart
-          at 0 per sequence, the sequence boundaries (attention runs per sequence, see
-          learner.trainer.packed_attention), and the positions whose next-token log-prob enters
-          the loss.
+          PackedMicroBatch: one row [1, T] = several sequences back to back; the samples of a
+          group that land in one micro-batch share one copy of their prompt (each response
+          continues after it at position prompt_len); attention spans (attention runs per
+          sequence, see learner.attention.packed_attention), and the positions whose next-token
+          log-prob enters the loss.
 ```
 
 Every rank runs the same number of micro-batches per mini-batch (FSDP all-gathers and
@@ -32,7 +33,7 @@ from dapo.algorithm import group_advantages
 from dapo.config import AlgorithmConfig
 from dapo.wire import TrajectoryGroup
 
-_INT_COLS = 3  # per sequence: seq_len, minibatch, microbatch
+_INT_COLS = 4  # per sequence: seq_len, minibatch, microbatch, prompt_len (0: not known, not shared)
 
 
 def _offsets(seq_lens: torch.Tensor) -> torch.Tensor:
@@ -64,6 +65,9 @@ class SampleBatch:
     """float32 [T_all]: 1 where the token is in the loss (response tokens not filtered out)."""
     advantages: torch.Tensor
     """float32 [S]: group-normalised advantage of each sequence."""
+    prompt_lens: torch.Tensor | None = None
+    """int64 [S]: prompt length of each sequence, in tokens. With it, the sequences of a micro-batch
+    that share a prompt (a group's G samples) share one copy of it (``PackedMicroBatch.pack``)."""
 
     @property
     def num_seqs(self) -> int:
@@ -80,7 +84,7 @@ def from_groups(groups: list[TrajectoryGroup], algorithm: AlgorithmConfig) -> Sa
     Overlong filtering (``algorithm.overlong_filter``) zeroes the loss mask of truncated samples;
     they still count in their group's advantage statistics, as in the paper.
     """
-    toks, seq_lens, gidx, logps, masks, rewards = [], [], [], [], [], []
+    toks, seq_lens, prompt_lens, gidx, logps, masks, rewards = [], [], [], [], [], [], []
     for gi, grp in enumerate(groups):
         prompt = torch.from_numpy(grp.prompt_ids.astype(np.int64))
         p = int(prompt.numel())
@@ -93,13 +97,14 @@ def from_groups(groups: list[TrajectoryGroup], algorithm: AlgorithmConfig) -> Sa
             logps += [torch.zeros(p), torch.from_numpy(grp.logprobs[sl].astype(np.float32))]
             masks += [torch.zeros(p), mask]
             seq_lens.append(p + int(resp.numel()))
+            prompt_lens.append(p)
             gidx.append(gi)
         rewards.append(torch.from_numpy(grp.rewards.astype(np.float32)))
     group_index = torch.tensor(gidx, dtype=torch.int64)
     adv = group_advantages(torch.cat(rewards), group_index, eps=algorithm.adv_eps,
                            std_normalize=algorithm.std_normalize)
     return SampleBatch(torch.cat(toks), torch.tensor(seq_lens, dtype=torch.int64), group_index, torch.cat(logps),
-                       torch.cat(masks), adv.float())
+                       torch.cat(masks), adv.float(), torch.tensor(prompt_lens, dtype=torch.int64))
 
 
 def batch_metrics(groups: list[TrajectoryGroup], version: int) -> dict[str, float]:
@@ -131,12 +136,14 @@ class RankShard:
     num_minibatches: int
     num_microbatches: int
     """Micro-batches per mini-batch, equal on every rank."""
+    prompt_lens: torch.Tensor
+    """int64 [S_r]: prompt length of each sequence (0 where the batch did not say: no sharing)."""
 
     def micro(self, minibatch: int, microbatch: int) -> "PackedMicroBatch":
         sel = ((self.minibatch == minibatch) & (self.microbatch == microbatch)).nonzero().flatten()
         tok_idx = _token_index(self.seq_lens, sel.tolist())
         return PackedMicroBatch.pack(self.tokens[tok_idx], self.seq_lens[sel], self.sampler_logp[tok_idx],
-                                     self.loss_mask[tok_idx], self.advantages[sel])
+                                     self.loss_mask[tok_idx], self.advantages[sel], prompt_lens=self.prompt_lens[sel])
 
 
 @dataclass
@@ -160,8 +167,12 @@ class PackedMicroBatch:
     """float32 [S]."""
     num_seqs: int
     max_loss_tokens: int
-    seq_bounds: list[int] | None = None
-    """[0, L_0, L_0 + L_1, ..., T]: sequence boundaries in the row (for the packed attention)."""
+    spans: list[list[int]] | None = None
+    """The row's attention spans (learner.attention.packed_attention), each ``[start, prefix_end, end_1, ...,
+    end_k]``: tokens [start, prefix_end) attend causally among themselves, and response j, tokens
+    [end_(j-1), end_j) with end_0 = prefix_end, attends to the whole prefix and causally to itself. A
+    sequence alone is ``[start, end]``; the samples of a group, ``[prompt start, prompt end, end of the
+    first response, ...]``: their prompt is in the row once."""
 
     @property
     def is_empty(self) -> bool:
@@ -169,24 +180,61 @@ class PackedMicroBatch:
 
     @staticmethod
     def pack(tokens: torch.Tensor, seq_lens: torch.Tensor, sampler_logp: torch.Tensor, loss_mask: torch.Tensor,
-             advantages: torch.Tensor) -> "PackedMicroBatch":
+             advantages: torch.Tensor, *, prompt_lens: torch.Tensor | None = None) -> "PackedMicroBatch":
+        """Sequences with the same prompt ids (``prompt_lens`` > 0) share one copy of the prompt: each
+        response continues at position ``prompt_len`` after it, and its first token is predicted from the
+        prompt's last position, as in the sampler. The log-prob of every response token is the same
+        function of the same tokens as with the prompt repeated (tests/unit/test_batch.py); the forward
+        of a group of G computes the prompt once instead of G times. Prompt tokens are never in the loss
+        of a shared prompt (``from_groups`` masks them)."""
         num_seqs = int(seq_lens.numel())
         if num_seqs == 0:  # keeps FSDP's collectives in step; see the module docstring
             z = torch.zeros(0, dtype=torch.int64)
             return PackedMicroBatch(torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64),
                                     z, z, z, z, torch.zeros(0), torch.zeros(0), 0, 0)
-        bounds = _offsets(seq_lens)
-        seq_id = torch.repeat_interleave(torch.arange(num_seqs), seq_lens)
-        position = torch.arange(tokens.numel()) - bounds[seq_id]
-        # A sequence's first token has no prediction inside its own sequence.
-        keep = (loss_mask > 0) & (position > 0)
-        idx = keep.nonzero().flatten()
-        seq_of = seq_id[idx]
+        offsets, lens = _offsets(seq_lens).tolist(), seq_lens.tolist()
+        plens = prompt_lens.tolist() if prompt_lens is not None else [0] * num_seqs
+        by_prompt: dict[tuple, list[int]] = {}  # first-seen order
+        for i in range(num_seqs):
+            key = ("prompt", *tokens[offsets[i]:offsets[i] + plens[i]].tolist()) if plens[i] > 0 else ("seq", i)
+            by_prompt.setdefault(key, []).append(i)
+        src, pos, spans = [], [], []  # per row token: index into ``tokens``, position id; spans as documented
+        loss_row, loss_pred, loss_seq = [], [], []  # per loss token: row, the row predicting it, its sequence
+        row = 0
+        for members in by_prompt.values():
+            first = members[0]
+            prefix = plens[first] or lens[first]  # unshared: the whole sequence is its own prefix
+            src.append(torch.arange(offsets[first], offsets[first] + prefix))
+            pos.append(torch.arange(prefix))
+            span = [row, row + prefix]
+            if not plens[first]:  # a sequence alone: loss tokens wherever its mask says (not its first token)
+                hit = (loss_mask[offsets[first] + 1:offsets[first] + prefix] > 0).nonzero().flatten() + row + 1
+                loss_row.append(hit), loss_pred.append(hit - 1), loss_seq.append(torch.full_like(hit, first))
+            row += prefix
+            for i in members if plens[first] else []:
+                n = lens[i] - prefix
+                if n == 0:
+                    continue
+                src.append(torch.arange(offsets[i] + prefix, offsets[i] + lens[i]))
+                pos.append(torch.arange(prefix, lens[i]))
+                hit = (loss_mask[offsets[i] + prefix:offsets[i] + lens[i]] > 0).nonzero().flatten()
+                pred = hit + row - 1
+                pred[hit == 0] = span[1] - 1  # the first response token: from the prompt's last position
+                loss_row.append(hit + row), loss_pred.append(pred), loss_seq.append(torch.full_like(hit, i))
+                row += n
+                span.append(row)
+            spans.append(span)
+        src_idx, rows, seq_of = torch.cat(src), torch.cat(loss_row), torch.cat(loss_seq)
+        row_ids = tokens[src_idx]
         counts = torch.bincount(seq_of, minlength=num_seqs)
-        slot = torch.arange(idx.numel()) - _offsets(counts)[seq_of]
-        return PackedMicroBatch(tokens.view(1, -1), position.view(1, -1), idx - 1, tokens[idx], seq_of, slot,
-                                sampler_logp[idx].float(), advantages.float(), num_seqs,
-                                int(counts.max()) if idx.numel() else 0, bounds.tolist())
+        # Each sequence's loss tokens are one contiguous run: a token's slot is its distance from the run's start.
+        k = torch.arange(seq_of.numel())
+        run_start = torch.ones_like(seq_of, dtype=torch.bool)
+        run_start[1:] = seq_of[1:] != seq_of[:-1]
+        slot = k - torch.cummax(torch.where(run_start, k, 0), 0).values if seq_of.numel() else k
+        return PackedMicroBatch(row_ids.view(1, -1), torch.cat(pos).view(1, -1), torch.cat(loss_pred), row_ids[rows],
+                                seq_of, slot, sampler_logp[src_idx][rows].float(), advantages.float(), num_seqs,
+                                int(counts.max()) if rows.numel() else 0, spans)
 
     def to_rows(self, values: torch.Tensor) -> torch.Tensor:
         """[K] per-token values -> [S, L] rows (zeros where no loss token), for policy_loss."""
@@ -236,8 +284,9 @@ def _shard_tensors(batch: SampleBatch, sel: torch.Tensor, minibatch: torch.Tenso
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     order = sel[torch.argsort(minibatch[sel] * (1 << 20) + micro[sel], stable=True)]
     tok_idx = _token_index(batch.seq_lens, order.tolist())
-    ints = torch.cat([torch.stack([batch.seq_lens[order], minibatch[order], micro[order]], 1).flatten(),
-                      batch.tokens[tok_idx]])
+    prompt_lens = batch.prompt_lens if batch.prompt_lens is not None else torch.zeros_like(batch.seq_lens)
+    ints = torch.cat([torch.stack([batch.seq_lens[order], minibatch[order], micro[order], prompt_lens[order]],
+                                  1).flatten(), batch.tokens[tok_idx]])
     floats = torch.cat([batch.advantages[order].float(), batch.sampler_logp[tok_idx].float(),
                         batch.loss_mask[tok_idx].float()])
     return ints, floats
@@ -249,7 +298,7 @@ def _unpack(ints: torch.Tensor, floats: torch.Tensor, n_seq: int, num_minibatche
     tokens = ints[n_seq * _INT_COLS:n_seq * _INT_COLS + n_tok]
     return RankShard(tokens.clone(), meta[:, 0].clone(), meta[:, 1].clone(), meta[:, 2].clone(),
                      floats[n_seq:n_seq + n_tok].clone(), floats[n_seq + n_tok:n_seq + 2 * n_tok].clone(),
-                     floats[:n_seq].clone(), num_minibatches, num_micro)
+                     floats[:n_seq].clone(), num_minibatches, num_micro, meta[:, 3].clone())
 
 
 def shard_local(batch: SampleBatch, *, num_minibatches: int, world_size: int, rank: int,

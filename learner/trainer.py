@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from dapo.algorithm import loss_kwargs, policy_loss
 from dapo.config import DEVICE_DIRECT_BACKENDS, AlgorithmConfig, DapoConfig, LearnerConfig
+from learner.attention import packed_attention
 from learner.batch import PackedMicroBatch, RankShard
 from learner.logprobs import LogprobHead, install_logprob_head
 
@@ -83,26 +84,6 @@ class TrainerSettings:
         return TrainerSettings(cfg.learner, cfg.algorithm, cfg.actor.temperature, float(cfg.actor.max_response_tokens),
                                torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32,
                                cfg.weights.backend in DEVICE_DIRECT_BACKENDS)
-
-
-def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                     is_causal: bool | None = None, dapo_seq_bounds: list[int] | None = None, **kwargs: object
-                     ) -> tuple[torch.Tensor, None]:
-    """Causal attention per packed sequence: q/k/v [1, H, T, D] of one packed row, sequence i spans
-    [bounds[i], bounds[i+1]). Each segment is one ``is_causal`` sdpa call (the flash kernel, no mask
-    tensor), so attention costs Σ Lᵢ², not T² as a block-diagonal mask over the row would (measured
-    4x slower than padding on CPU: bench/bench_packing.py). Without bounds: plain sdpa."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    if dapo_seq_bounds is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    gqa = getattr(module, "num_key_value_groups", 1) > 1
-    outs = [torch.nn.functional.scaled_dot_product_attention(
-        query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], is_causal=True, scale=scaling, enable_gqa=gqa)
-        for s, e in zip(dapo_seq_bounds[:-1], dapo_seq_bounds[1:])]
-    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 
 
 def needs_sharding(settings: TrainerSettings, world_size: int) -> bool:
@@ -215,7 +196,7 @@ class Trainer:
             mb.target_ids.to(dev)[None], temperature=self.settings.temperature,
             chunk_tokens=self.settings.learner.logprob_chunk_tokens, with_entropy=with_entropy)
         with head:  # the head runs inside the root module's forward, where FSDP2 has gathered its weight
-            out = self.model(**rows, logits_to_keep=mb.logit_index.to(dev), dapo_seq_bounds=mb.seq_bounds)
+            out = self.model(**rows, logits_to_keep=mb.logit_index.to(dev), dapo_spans=mb.spans)
         if self.head is not None:
             res = out.logits[0]  # [K, 2]: log-prob, entropy
             return res[:, 0], (res[:, 1].detach() if with_entropy else None)

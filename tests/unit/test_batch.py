@@ -79,12 +79,12 @@ def test_after_packing_each_loss_token_is_predicted_from_its_predecessor_with_it
     batch = from_groups(groups, alg(n=4, m=2))
     # Response token ids are unique: each names its sample, so its advantage is known by hand.
     adv = EXPECTED_ADV + [d / (math.sqrt(1 / 2) + EPS) for d in (1 / 2, -1 / 2)]
-    want = []  # (token, its log-prob, the token before it, its sample's advantage)
+    want = []  # (token, its log-prob, the token before it, that token's position, its sample's advantage)
     samples = [(g, sl) for g in groups for sl in g.response_slices()]
     for (g, sl), a in zip(samples, adv):
-        resp = g.response_ids[sl].tolist()
-        want += [(t, -t / 100, p, a) for t, p in zip(resp, [int(g.prompt_ids[-1])] + resp[:-1])]
-    seen = []
+        resp, p0 = g.response_ids[sl].tolist(), len(g.prompt_ids)
+        want += [(t, -t / 100, p, p0 - 1 + j, a) for j, (t, p) in enumerate(zip(resp, [int(g.prompt_ids[-1])] + resp[:-1]))]
+    seen, row_tokens = [], 0
     for rank in range(world_size):
         shard = shard_local(batch, num_minibatches=2, world_size=world_size, rank=rank,
                             max_tokens_per_microbatch=budget)
@@ -93,14 +93,15 @@ def test_after_packing_each_loss_token_is_predicted_from_its_predecessor_with_it
                 mb = shard.micro(m, u)
                 if mb.is_empty:
                     continue
-                ids = mb.input_ids[0]
-                assert torch.equal(ids[mb.logit_index + 1], mb.target_ids)
-                assert bool((mb.position_ids[0][mb.logit_index + 1] > 0).all())  # within one sequence
-                seen += [(int(t), float(lp), int(ids[i]), float(a)) for t, lp, i, a in
+                ids, pos = mb.input_ids[0], mb.position_ids[0]
+                row_tokens += ids.numel()
+                seen += [(int(t), float(lp), int(ids[i]), int(pos[i]), float(a)) for t, lp, i, a in
                          zip(mb.target_ids, mb.sampler_logp, mb.logit_index, mb.advantages[mb.seq_of_token])]
     assert len(seen) == len(want) == 21
-    for (t, lp, p, a), (t2, lp2, p2, a2) in zip(sorted(seen), sorted(want)):
-        assert (t, p) == (t2, p2) and abs(lp - lp2) < 1e-6 and abs(a - a2) < 1e-5, ((t, lp, p, a), (t2, lp2, p2, a2))
+    for (t, lp, p, i, a), (t2, lp2, p2, i2, a2) in zip(sorted(seen), sorted(want)):
+        assert (t, p, i) == (t2, p2, i2) and abs(lp - lp2) < 1e-6 and abs(a - a2) < 1e-5, (t, lp, p, i, a)
+    if budget == 10_000:  # each mini-batch in one micro-batch: every group's prompt is in the row once
+        assert row_tokens == int(batch.seq_lens.sum()) - sum(len(g.prompt_ids) * (len(g.rewards) - 1) for g in groups)
 
 
 def test_overlong_filter_masks_truncated_samples_but_they_still_count_in_their_group():
