@@ -459,9 +459,12 @@ def _one_rank_trainer(shard_single_rank: bool, seed: int = 0):
 
 
 def _ref_shard(step: int):
+    """Step ``step``'s batch of the reference groups, scattered from rank 0 (call on every rank)."""
+    import torch.distributed as dist
+
     from learner.batch import from_groups
 
-    batch = from_groups(wire_groups(seed=20 + step), _ref_settings(2).algorithm)
+    batch = from_groups(wire_groups(seed=20 + step), _ref_settings(2).algorithm) if dist.get_rank() == 0 else None
     return scatter_batch(batch, num_minibatches=2, max_tokens_per_microbatch=24)
 
 
@@ -518,3 +521,47 @@ def test_checkpoints_of_the_plain_module_and_of_fsdp2_load_into_each_other(one_g
     weights = [t.full_state_dict() for t in (a, b, c)]
     for name, w in weights[0].items():
         assert torch.equal(weights[1][name], w) and torch.equal(weights[2][name], w), name
+
+
+def _resume_one_rank_checkpoint_worker(rank: int, world: int, init_file: str, ckpt: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from learner import checkpoint
+    from learner.trainer import Trainer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    t = Trainer(tiny_model(seed=5), _ref_settings(2), torch.device("cpu"))
+    assert t.sharded
+    state = checkpoint.load(ckpt, t.model, t.optimizer, t.scheduler)
+    t.train_step(_ref_shard(1))
+    weights = t.full_state_dict()
+    if rank == 0:
+        torch.save({"weights": weights, "state": state}, Path(out_dir) / "two.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_checkpoint_of_the_one_rank_plain_module_resumes_on_two_fsdp2_ranks(tmp_path):
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    from learner import checkpoint
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init1'}", rank=0, world_size=1)
+    try:
+        a = _one_rank_trainer(False)
+        a.train_step(_ref_shard(0))
+        ckpt = checkpoint.save(tmp_path, 1, a.model, a.optimizer, a.scheduler, {"step": 1}, None)
+        a.train_step(_ref_shard(1))
+        want = a.full_state_dict()
+    finally:
+        dist.destroy_process_group()
+    mp.spawn(_resume_one_rank_checkpoint_worker, args=(2, str(tmp_path / "init2"), str(ckpt), str(tmp_path)),
+             nprocs=2, join=True)
+    got = torch.load(tmp_path / "two.pt")
+    assert got["state"] == {"step": 1}
+    for name, w in want.items():  # 2 ranks sum the gradients in another order than 1
+        torch.testing.assert_close(got["weights"][name], w, rtol=0, atol=1e-6, msg=lambda m: f"{name}: {m}")
