@@ -10,9 +10,9 @@
  then rank 0 renames .tmp_step_<N> -> step_<N> (atomic on one filesystem) after a barrier.
 ```
 
-A learner killed mid-write leaves only a ``.tmp_*`` folder, which is never loaded. DCP stores each
-tensor whole in its metadata, so a checkpoint of the plain one-rank module (learner/trainer.py) and
-one of FSDP2 shards load into either.
+A learner killed mid-write leaves only a ``.tmp_*`` folder, which is never loaded. DCP records each
+tensor's global shape and reshards on load, so checkpoints of the plain one-rank module
+(learner/trainer.py) and of FSDP2 shards load into either (tests/unit/test_trainer.py).
 
 torch.distributed.checkpoint is imported in ``save`` and ``load``, FSDP2 only when sharding
 (learner/trainer.py): with DTensor and sympy they made ``import learner.main`` cost 1.67 s of CPU

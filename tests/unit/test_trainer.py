@@ -1,7 +1,8 @@
 """Trainer exactness: the same mini-batch gives the same loss and gradients (<= 1e-5) unpacked on one
-process, packed on 1 rank in one or many micro-batches, and packed on 2 FSDP ranks (gloo, spawn); and
-whole training steps (recompute mode, several mini- and micro-batches, grad clip, warm-up) equal a
-reference written here from the paper's formula."""
+process, packed on 1 rank (the plain module) in one or many micro-batches, and packed on 2 FSDP ranks
+(gloo, spawn); whole training steps (recompute mode, several mini- and micro-batches, grad clip,
+warm-up) equal a reference written here from the paper's formula; at one rank the plain module
+equals FSDP2 bit for bit, and checkpoints of either resume in the other and on 2 ranks."""
 
 from __future__ import annotations
 
