@@ -315,13 +315,13 @@ class Trainer:
                                       options=StateDictOptions(full_state_dict=True, cpu_offload=not on_device))
         else:
             sd = {k: v.detach().to(self.device if on_device else "cpu") for k, v in self.model.state_dict().items()}
-        if self.world_size == 1:
-            # Nothing is gathered at one rank: these can be the parameters' own storage (FSDP2's too).
-            own = {_local(p).untyped_storage().data_ptr() for p in self.model.parameters()}
-            sd = {k: v.clone() if v.untyped_storage().data_ptr() in own else v for k, v in sd.items()}
         if on_device and dist.get_rank() != 0:
             return {}
         if getattr(self.model.config, "tie_word_embeddings", False):
             # The tied copy is the embedding (+26 % bytes for Qwen2.5-0.5B); engines re-tie on load.
             sd.pop("lm_head.weight", None)
+        if self.world_size == 1:
+            # Nothing is gathered at one rank: these can be the parameters' own storage (FSDP2's too).
+            own = {_local(p).untyped_storage().data_ptr() for p in self.model.parameters()}
+            sd = {k: v.clone() if v.untyped_storage().data_ptr() in own else v for k, v in sd.items()}
         return sd
