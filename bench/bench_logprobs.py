@@ -86,7 +86,8 @@ def child(args: argparse.Namespace) -> dict:
             times.append(time.perf_counter() - t0)
             cpu_times.append(time.process_time() - c0)  # less sensitive than wall time to a shared machine
             grad_norm = float(torch.linalg.vector_norm(torch.stack(
-                [p.grad.to_local().norm() for p in trainer.model.parameters()])))
+                [(p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).norm()  # one rank: plain
+                 for p in trainer.model.parameters()])))
             trainer.optimizer.zero_grad(set_to_none=True)
         dist.destroy_process_group()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux

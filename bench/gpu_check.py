@@ -102,7 +102,9 @@ def check_exactness(device: torch.device, small: bool) -> dict:
                               "sampler_prox_abs_logp_diff", "sampler_prox_kl_k3"), 0.0)
         prox = {(0, u): shard.micro(0, u).sampler_logp.to(device) for u in range(shard.num_microbatches)}
         got = trainer.forward_backward(shard, 0, prox, sums)
-        grads = {n: p.grad.full_tensor().cpu() for n, p in trainer.model.named_parameters()}
+        # One float32 rank trains the plain module (no DTensor); FSDP2 otherwise.
+        grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).cpu()
+                 for n, p in trainer.model.named_parameters()}
         diff = max(float((grads[n] - g).abs().max()) for n, g in ref.items())
         out[f"micro{shard.num_microbatches}_loss_diff"] = abs(got - float(loss.detach()))
         out[f"micro{shard.num_microbatches}_grad_max_diff"] = diff
