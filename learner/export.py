@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 from dapo.runtime import apply_service_env
@@ -34,7 +35,9 @@ def export(ckpt: str | Path, out: str | Path) -> Path:
     state = {"model": model.state_dict()}
     if getattr(config, "tie_word_embeddings", False):
         state["model"].pop("lm_head.weight", None)  # the tied copy is the embedding itself
-    dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
+    with warnings.catch_warnings():  # no_dist=True is the point here; DCP still warns that dist is off
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(ckpt), no_dist=True)
     model.load_state_dict(state["model"], strict=False)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
