@@ -304,7 +304,7 @@ def plot(rows: list[dict], path: Path) -> None:
             line(ax, mode, key, shift, marker=marker, color=color, label=mode)
         line(axes[3], mode, "actor_idle", shift, marker=marker, color=color, label=f"actor, {mode}")
         line(axes[3], mode, "learner_idle", shift, marker=marker, color=color, linestyle="--",
-             label=f"learner, {mode}")
+             markerfacecolor="none", label=f"learner, {mode}")
     if ("trl", None) in by:
         for ax, (key, _) in zip(axes[:2], panels):
             mean, lo, hi = spread(by[("trl", None)], key)
@@ -312,6 +312,7 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.axhspan(lo, hi, color="tab:red", alpha=0.15)
     seeds = max(len(rs) for rs in by.values())
     for ax, (_, title) in zip(axes, panels):
+        ax.set_xticks(sorted({k for _, k in by if k is not None}))
         ax.set_xlabel("max_staleness_steps k")
         ax.set_title(title)
         ax.set_ylim(bottom=0)
