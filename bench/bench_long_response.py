@@ -2,14 +2,14 @@
 several staleness bounds k, three weight-update modes and several seeds, for a fixed number of
 learner steps; and TRL's GRPOTrainer on the same task (``--trl``).
 
-    .venv/bin/python bench/bench_long_response.py                       # k = 0 1 2 4, 3 modes, seed 0
-    .venv/bin/python bench/bench_long_response.py --steps 4 --skip-steps 1 --ks 1 --trl   # a smoke run
+    .venv/bin/python bench/bench_long_response.py                 # k = 0 1 2 4, 3 modes, seed 0: ~10 min
+    .venv/bin/python bench/bench_long_response.py --steps 4 --ks 1 --trl --trl-steps 3   # a smoke run
     .venv/bin/python bench/bench_long_response.py --seeds 0 1 2 --trl --png bench/long_response.png
 
 Modes (``--modes``): ``between_batches`` (weights load between generate calls), ``inflight``
 (loads between engine steps, running samples keep their KV cache: the mode's default) and
 ``inflight_reprefill`` (``actor.inflight_reprefill=true``: the old in-flight mode, which
-re-encodes prompt + tokens so far after a load). Seeds (``--seeds``) are ``learner.seed`` and
+re-encodes prompt + tokens so far after every ``actor.inflight_chunk_tokens`` chunk). Seeds (``--seeds``) are ``learner.seed`` and
 ``actor.seed``, as bench/vs_trl.py and dapo/launch/sweep.py take them; ``run.seed`` stays 0
 because it also seeds the built-in model's build (another seed would build, and measure, another
 model). Runs are interleaved seed by seed (all modes and ks of seed 0, its TRL run, then seed 1,
@@ -325,8 +325,10 @@ def plot(rows: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20, help="learner steps (TRL: batches) per run")
-    parser.add_argument("--skip-steps", type=int, default=2, help="steps left out of the steady state")
+    parser.add_argument("--steps", type=int, default=10, help="learner steps (TRL: batches) per run")
+    parser.add_argument("--skip-steps", type=int, default=1,
+                        help="steps left out of the steady state (its first record opens the span: "
+                             "steps - skip - 1 steps are counted)")
     parser.add_argument("--ks", type=int, nargs="+", default=[0, 1, 2, 4], help="max_staleness_steps values")
     parser.add_argument("--modes", nargs="*", default=list(MODES), choices=MODES,
                         help="dapo update modes (none: only TRL, with --trl)")
