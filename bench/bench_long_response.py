@@ -351,6 +351,8 @@ def main() -> None:
     trl_steps = args.trl_steps or args.steps
     if min(args.steps, trl_steps) < args.skip_steps + 2:
         parser.error(f"--steps must be >= --skip-steps + 2 = {args.skip_steps + 2} (two steady-state records)")
+    if not args.modes and not args.trl:
+        parser.error("nothing to run: give --modes, --trl or both")
     if any(o.startswith("run.num_actors=") for o in args.override):
         parser.error("one actor only: the harness reads its counters on one Prometheus port")
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-long-"))
