@@ -9,10 +9,10 @@ learner steps; and TRL's GRPOTrainer on the same task (``--trl``).
 Modes (``--modes``): ``between_batches`` (weights load between generate calls), ``inflight``
 (loads between engine steps, running samples keep their KV cache: the mode's default) and
 ``inflight_reprefill`` (``actor.inflight_reprefill=true``: the old in-flight mode, which
-re-encodes prompt + tokens so far after every ``actor.inflight_chunk_tokens`` chunk). Seeds (``--seeds``) are ``learner.seed`` and
-``actor.seed``, as bench/vs_trl.py and dapo/launch/sweep.py take them; ``run.seed`` stays 0
-because it also seeds the built-in model's build (another seed would build, and measure, another
-model). Runs are interleaved seed by seed (all modes and ks of seed 0, its TRL run, then seed 1,
+re-encodes prompt + tokens so far after every ``actor.inflight_chunk_tokens`` chunk). Seeds
+(``--seeds``) are ``learner.seed`` and ``actor.seed``, as bench/vs_trl.py and dapo/launch/sweep.py
+take them; ``run.seed`` stays 0 because it also seeds the built-in model's build (another seed
+would build, and measure, another model). Runs are interleaved seed by seed (all modes and ks of seed 0, its TRL run, then seed 1,
 ...), so a drift in the machine's load hits every configuration alike.
 
 Per run, in the steady state (learner steps after the first ``--skip-steps``):
@@ -21,8 +21,7 @@ Per run, in the steady state (learner steps after the first ``--skip-steps``):
   step skip+1 record's ``unix_time_s`` to step N's (the first record opens the span);
 - learner idle: the mean of ``learner/idle_fraction`` (time waiting for a batch / step time);
 - actor idle and generating tokens/s (tokens per second inside generate calls): from the actor's
-  own cumulative
-  counters (actors/metrics.py: ``idle/lease_wait_s + idle/weight_wait_s``, ``actor/wall_s``,
+  own cumulative counters (actors/metrics.py: ``idle/lease_wait_s + idle/weight_wait_s``, ``actor/wall_s``,
   ``actor/tokens_generated``, ``time/generate_s``), read from its Prometheus endpoint
   (``actor.prometheus_port``) by this harness each time a training record appears in
   metrics.jsonl (polled every ``POLL_S``). Over the readings at the records of steps skip+1 and
@@ -40,7 +39,8 @@ own process): GRPOTrainer(loss_type="dapo") on the same model folder (builtin:ti
 rows (builtin:long, same rendering), rewards, 8 prompts x 8 samples per batch, 2 updates per
 batch, the preset's 480-token cap, temperature 1, lr and warm-up as dapo's; no held-out
 evaluation. Batch b's end = the end of its second optimizer step; its response tokens = the
-lengths of its 64 completions (EOS included, as dapo counts them), counted in the reward call.
+lengths of its 64 completions (EOS included: at most 1 token of ~350 apart from dapo's count),
+counted in the reward call.
 Samples/s and tokens/s over the same steps as dapo's. Lengths are not forced (no
 ``min_new_tokens``): both sides sample the same model with the same sampler, so their lengths
 come from one distribution, and forcing a minimum would make TRL generate responses dapo never
