@@ -12,8 +12,9 @@ Modes (``--modes``): ``between_batches`` (weights load between generate calls), 
 re-encodes prompt + tokens so far after every ``actor.inflight_chunk_tokens`` chunk). Seeds
 (``--seeds``) are ``learner.seed`` and ``actor.seed``, as bench/vs_trl.py and dapo/launch/sweep.py
 take them; ``run.seed`` stays 0 because it also seeds the built-in model's build (another seed
-would build, and measure, another model). Runs are interleaved seed by seed (all modes and ks of seed 0, its TRL run, then seed 1,
-...), so a drift in the machine's load hits every configuration alike.
+would build, and measure, another model). Runs are interleaved seed by seed (all modes and ks of
+seed 0, its TRL run, then seed 1, ...), so a drift in the machine's load hits every configuration
+alike.
 
 Per run, in the steady state (learner steps after the first ``--skip-steps``):
 - trained samples/s and trained response tokens/s: ``train/num_samples`` and
@@ -21,8 +22,8 @@ Per run, in the steady state (learner steps after the first ``--skip-steps``):
   step skip+1 record's ``unix_time_s`` to step N's (the first record opens the span);
 - learner idle: the mean of ``learner/idle_fraction`` (time waiting for a batch / step time);
 - actor idle and generating tokens/s (tokens per second inside generate calls): from the actor's
-  own cumulative counters (actors/metrics.py: ``idle/lease_wait_s + idle/weight_wait_s``, ``actor/wall_s``,
-  ``actor/tokens_generated``, ``time/generate_s``), read from its Prometheus endpoint
+  own cumulative counters (actors/metrics.py: ``idle/lease_wait_s + idle/weight_wait_s``,
+  ``actor/wall_s``, ``actor/tokens_generated``, ``time/generate_s``), read from its Prometheus endpoint
   (``actor.prometheus_port``) by this harness each time a training record appears in
   metrics.jsonl (polled every ``POLL_S``). Over the readings at the records of steps skip+1 and
   the last one read (step N, or N-1 when the actor has already stopped): actor idle = d(idle) /
