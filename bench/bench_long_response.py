@@ -63,6 +63,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -359,7 +360,7 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-long-"))
     work.mkdir(parents=True, exist_ok=True)
     rows = []
-    started = time.time()
+    started, load_before = time.time(), os.getloadavg()
     for seed in args.seeds:
         for mode in args.modes:
             for k in args.ks:
@@ -369,9 +370,14 @@ def main() -> None:
         if args.trl:
             rows.append({"mode": "trl", "k": None, "seed": seed, **run_trl(work, seed, trl_steps, args.skip_steps)})
             print(json.dumps(rows[-1]), flush=True)
-    text = table(rows) + "\n" + goals(rows) + "\n"
+    load_after = os.getloadavg()
+    text = (f"`OMP_NUM_THREADS=1 .venv/bin/python bench/bench_long_response.py {' '.join(sys.argv[1:])}` — "
+            f"{datetime.fromtimestamp(started, timezone.utc):%Y-%m-%d %H:%M} UTC, {socket.gethostname()}, "
+            f"{os.cpu_count()} CPUs, {time.time() - started:.0f} s, load average (1/5/15 min) "
+            f"{'/'.join(f'{x:.1f}' for x in load_before)} before, {'/'.join(f'{x:.1f}' for x in load_after)} after\n\n"
+            + table(rows) + "\n" + goals(rows) + "\n")
     print(text)
-    print(f"wall time {time.time() - started:.0f} s; runs in {work}")
+    print(f"runs in {work}")
     if args.png:
         plot(rows, args.png)
     if args.append:
