@@ -204,10 +204,12 @@ class Actor:
         if self.stop.is_set():
             return []
         session = self._session()
-        with self.metrics.stage("lease"):
-            resp = self.client.call("Lease", pb.LeaseRequest(actor_id=session.actor_id,
-                                                             num_prompts=session.run.prompts_per_lease,
-                                                             weight_version=self.engine.version))
+        start = time.perf_counter()
+        resp = self.client.call("Lease", pb.LeaseRequest(actor_id=session.actor_id,
+                                                         num_prompts=session.run.prompts_per_lease,
+                                                         weight_version=self.engine.version))
+        # A refused lease may have waited for the next version in the coordinator (its long poll): idle.
+        self.metrics.add_time("lease" if resp.leases else "lease_wait", time.perf_counter() - start)
         self.latest_version = max(self.latest_version, resp.latest_version)
         if resp.leases:
             self.metrics.add("leases_granted", len(resp.leases))

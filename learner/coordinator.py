@@ -49,6 +49,7 @@ class Coordinator:
         self._clock = clock
         self._lock = threading.RLock()
         self._actors_changed = threading.Condition(self._lock)
+        self._version_changed = threading.Condition(self._lock)
         self.version = 0  # the published policy version: only set_version and load_state_dict change it
         self._publishing = 0  # > version while begin_publish(v) waits for set_version(v)
         self._shutdown = False
@@ -82,11 +83,19 @@ class Coordinator:
             if version < self.version:
                 raise ValueError(f"set_version({version}): versions only increase (now {self.version})")
             self.version = version
+            self._version_changed.notify_all()
 
     def request_shutdown(self) -> None:
         """Stop leasing; heartbeats tell actors to leave."""
         with self._lock:
             self._shutdown = True
+            self._version_changed.notify_all()
+
+    def wait_for_version_above(self, version: int, timeout_s: float) -> bool:
+        """Block until a version newer than ``version`` is published (or the run stops), at most
+        ``timeout_s`` of real time; True when it was."""
+        with self._lock:
+            return self._version_changed.wait_for(lambda: self.version > version or self._shutdown, timeout_s)
 
     def wait_for_actors_to_leave(self, timeout_s: float) -> int:
         """After ``request_shutdown``: block until every actor has left (or been expired), at most
