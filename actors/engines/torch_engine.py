@@ -65,21 +65,30 @@ class TorchEngine(Engine):
                 between_steps: Callable[[], None] | None = None) -> list[list[RawSample]]:
         from transformers import DynamicCache
 
-        rows = [s for s in sequences for _ in range(n)]
-        longest = max(len(s) for s in rows)
+        longest = max(len(s) for s in sequences)
         if longest + max_tokens > self._max_len:
             raise ValueError(f"prompt of {longest} tokens + {max_tokens} new tokens exceeds "
                              f"model.max_model_len_tokens={self._max_len}; shorten the prompt or raise it")
-        ids = torch.full((len(rows), longest), int(self._stop_ids[0]), dtype=torch.long)  # pad: masked out
-        mask = torch.zeros((len(rows), longest), dtype=torch.long)
-        for i, s in enumerate(rows):
+        ids = torch.full((len(sequences), longest), int(self._stop_ids[0]), dtype=torch.long)  # pad: masked out
+        mask = torch.zeros((len(sequences), longest), dtype=torch.long)
+        for i, s in enumerate(sequences):
             ids[i, longest - len(s):] = torch.tensor(s)
             mask[i, longest - len(s):] = 1
         gen = torch.Generator().manual_seed(seed)
         cache = DynamicCache()
-        out_ids, out_lps, versions = [], [], []  # per step: each row's token and its log-prob; the version
-        stopped = torch.zeros(len(rows), dtype=torch.bool)
-        step_ids, positions = ids, (mask.cumsum(-1) - 1).clamp(min=0)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        # Each prompt is encoded once; its KV cache and last logits are then copied to its n samples' rows.
+        logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                            use_cache=True).logits[:, -1].repeat_interleave(n, dim=0)
+        cache.batch_repeat_interleave(n)
+        mask, positions = mask.repeat_interleave(n, dim=0), positions.repeat_interleave(n, dim=0)
+        rows = len(sequences) * n
+        active = torch.arange(rows)  # the batch's rows -> output rows: finished rows leave the batch
+        out_ids = torch.zeros((rows, max_tokens), dtype=torch.long)
+        out_lps = torch.zeros((rows, max_tokens))
+        lengths = torch.zeros(rows, dtype=torch.long)
+        stopped = torch.zeros(rows, dtype=torch.bool)
+        versions = []  # per step: the version that sampled it
         for step in range(max_tokens):
             if between_steps is not None and step and step % every_steps == 0:
                 # May load weights in place (the cache keeps the old weights' KV). Outside inference
@@ -87,24 +96,25 @@ class TorchEngine(Engine):
                 with torch.inference_mode(False):
                     between_steps()
             versions.append(self.version)
-            logits = self.model(input_ids=step_ids, attention_mask=mask, position_ids=positions,
-                                past_key_values=cache, use_cache=True).logits[:, -1]
+            if step:
+                logits = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=positions,
+                                    past_key_values=cache, use_cache=True).logits[:, -1]
             logp = nucleus_logprobs(logits, temperature, top_p)
             token = sample_tokens(logp, gen)
-            out_ids.append(token)
-            out_lps.append(logp.gather(1, token[:, None]).squeeze(1))
-            stopped |= torch.isin(token, self._stop_ids)
-            if bool(stopped.all()):
+            out_ids[active, step], out_lps[active, step] = token, logp.gather(1, token[:, None]).squeeze(1)
+            lengths[active] = step + 1
+            done = torch.isin(token, self._stop_ids)
+            stopped[active[done]] = True
+            if bool(done.all()):
                 break
-            step_ids = token[:, None]
+            if bool(done.any()):  # decode only the rows still running
+                keep = (~done).nonzero().squeeze(1)
+                cache.batch_select_indices(keep)
+                active, token, mask, positions = active[keep], token[keep], mask[keep], positions[keep]
             positions = positions[:, -1:] + 1
-            mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=torch.long)], dim=1)
-        result = []
-        for i, (toks, lps) in enumerate(zip(torch.stack(out_ids, 1).tolist(), torch.stack(out_lps, 1).tolist())):
-            if stopped[i]:  # cut after the first stop token (rows keep decoding in the batch)
-                end = next(j for j, t in enumerate(toks) if t in self._stop_ids.tolist()) + 1
-                toks, lps = toks[:end], lps[:end]
-            result.append(RawSample(toks, lps, stopped=bool(stopped[i]), versions=versions[:len(toks)]))
+            mask = torch.cat([mask, torch.ones((len(active), 1), dtype=torch.long)], dim=1)
+        result = [RawSample(out_ids[i, :lengths[i]].tolist(), out_lps[i, :lengths[i]].tolist(), stopped=bool(stopped[i]),
+                            versions=versions[:int(lengths[i])]) for i in range(rows)]
         return [result[i * n:(i + 1) * n] for i in range(len(sequences))]
 
     @torch.inference_mode()
