@@ -1,11 +1,12 @@
 """Pure-torch engine: a batched KV-cache sampler over the HF causal LM.
 
-Used where vLLM cannot be installed. Same interface and same guarantees as the vLLM engine:
-log-probs of the tempered (and top-p renormalised) distribution that was sampled, stop tokens
-included in the response, in-place weight loads. In-flight loads (``between_steps``) happen
-between two decoding steps and the batch keeps its KV cache across them. Sequences are
-left-padded so that the last prompt token of every row sits in the same column; positions come
-from the attention mask.
+Used for small models (``actor.engine=auto``: the built-in tiny ones) and where vLLM cannot be
+installed. Same interface and same guarantees as the vLLM engine: log-probs of the tempered (and
+top-p renormalised) distribution that was sampled, stop tokens included in the response, in-place
+weight loads. In-flight loads (``between_steps``) happen between two decoding steps and the batch
+keeps its KV cache across them. Sequences are left-padded so that the last prompt token of every
+row sits in the same column; positions come from the attention mask. Each prompt is encoded once
+for its n samples, and a row that has stopped leaves the batch (its cache rows too).
 """
 
 from __future__ import annotations
