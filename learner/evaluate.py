@@ -1,4 +1,4 @@
-"""Held-out evaluation on learner rank 0 with the published weights, in a background thread.
+"""Held-out evaluation on learner rank 0 with the published weights, in a child process.
 
 A plain (unsharded) HF copy of the model on rank 0 loads each evaluated version's full state dict
 (already gathered for publication), so evaluation adds no collective. One sample per held-out
@@ -7,16 +7,20 @@ dapo.rewards: the accuracy of the policy that is being trained, not of its greed
 warm-started tiny model is ~1.0 greedy but ~0.2 sampled; RL's job is to close that gap). This is
 the learner's cheap in-run curve (``eval/accuracy``); ``dapo eval`` (vLLM, avg@k) is the thorough one.
 
-``submit`` copies the weights into the evaluation model (the learner may update its own in place
-right after) and samples in a thread: an evaluation (about one training step of CPU on the embedded
-default) runs while the learner waits for a batch, off its critical path. One at a time (one
-evaluation model); ``submit`` waits for the previous one.
+A process forked from the learner (before its services start threads) holds the copy and
+samples: ``submit`` sends it the version's weights down a pipe as safetensors bytes (a copy: the
+learner updates its own in place right after) and the child answers with the metrics as JSON. A
+thread would share the learner's GIL: generation is mostly Python on a small model, and the training
+step after each submission ran ~60 % slower with it (bench/RESULTS.md "dapo vs TRL"). One evaluation
+at a time (one copy): ``submit`` waits for the previous one.
 """
 
 from __future__ import annotations
 
-import threading
+import json
+import multiprocessing
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -26,67 +30,101 @@ from dapo.config import DapoConfig
 from dapo.evaluation import sampled_accuracy
 
 
+class EvaluationFailed(RuntimeError):
+    """The evaluation process raised or died; the message says which and how."""
+
+
 class Evaluator:
     def __init__(self, cfg: DapoConfig, model_path: Path, tokenizer: Any) -> None:
         from dapo.data import build_dataset
 
-        self.cfg, self.model_path, self.tokenizer = cfg, model_path, tokenizer
         dataset = build_dataset(cfg, "eval", tokenizer)  # here: a bad held-out set stops the start-up
-        self.prompts = [dataset[i] for i in range(len(dataset))]
-        # Built by the first evaluation's thread: loading the model copy stays off the learner's
-        # start-up path (the version-0 evaluation runs while the actors start generating).
-        self.model: torch.nn.Module | None = None
-        self._thread: threading.Thread | None = None
+        prompts = [dataset[i] for i in range(len(dataset))]
+        # fork: the child starts with torch, transformers and the held-out set loaded (a spawned one
+        # would import them again, ~2.5 s of CPU next to the run's start-up); it loads the model itself.
+        self._conn, child_end = multiprocessing.Pipe()
+        self._proc = multiprocessing.get_context("fork").Process(
+            target=_serve, args=(child_end, str(model_path), tokenizer, prompts, cfg.actor.max_response_tokens,
+                                 cfg.actor.temperature, cfg.learner.seed), name="dapo-eval", daemon=True)
+        self._proc.start()
+        child_end.close()
+        self._pending: int | None = None
         self._results: dict[int, dict[str, float]] = {}
-        self._error: BaseException | None = None
 
     def submit(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Evaluate ``state_dict`` as ``version`` in the background; ``result(version)`` has it."""
+        from safetensors.torch import save
+
         self.wait()
-        # Copied now: the learner updates its weights in place right after. strict=False: the
-        # published dict omits the tied lm_head copy (it is the embedding).
-        if self.model is None:
-            weights = {name: t.detach().clone() for name, t in state_dict.items()}
-        else:
-            self.model.load_state_dict(dict(state_dict), strict=False)
-            weights = None
-        self._thread = threading.Thread(target=self._run, args=(version, weights), name="eval", daemon=True)
-        self._thread.start()
-
-    def _build(self, weights: Mapping[str, torch.Tensor]) -> None:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32, attn_implementation="sdpa")
-        model.load_state_dict(dict(weights), strict=False)
-        self.model = model.eval()
+        try:
+            self._conn.send_bytes(json.dumps({"version": version}).encode())
+            self._conn.send_bytes(save({name: t.detach().cpu().contiguous() for name, t in state_dict.items()}))
+        except OSError:  # BrokenPipeError: the child is gone
+            raise self._died(version) from None
+        self._pending = version
 
     def result(self, version: int, *, block: bool = False) -> dict[str, float] | None:
         """The metrics of a submitted version: None while it runs (``block``: wait for it). Raises
-        what the evaluation raised."""
-        if block:
-            self.wait()
-        if self._error is not None:
-            raise self._error
+        ``EvaluationFailed`` when the evaluation did."""
+        if self._pending is not None and (block or self._conn.poll()):
+            self._receive()
         return self._results.pop(version, None)
 
     def wait(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        if self._pending is not None:
+            self._receive()
 
-    def _run(self, version: int, weights: Mapping[str, torch.Tensor] | None) -> None:
+    def close(self) -> None:
+        self._conn.close()  # the child sees EOF and exits
+        self._proc.join(timeout=5)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join()
+
+    def _receive(self) -> None:
         try:
-            if weights is not None:
-                self._build(weights)
-            self._results[version] = self._sample()
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the loop's thread by result()
-            self._error = exc
+            reply = json.loads(self._conn.recv_bytes())
+        except EOFError:
+            raise self._died(self._pending) from None
+        self._pending = None
+        if "error" in reply:
+            raise EvaluationFailed(f"evaluating version {reply['version']} failed: {reply['error']}")
+        self._results[int(reply.pop("version"))] = reply
 
-    def _sample(self) -> dict[str, float]:
-        t0, actor = time.perf_counter(), self.cfg.actor
-        # batch_size 128: the whole built-in held-out set in one generate call, half the decoding steps of 64.
-        r = sampled_accuracy(self.model, self.tokenizer, self.prompts, max_new_tokens=actor.max_response_tokens,
-                             temperature=actor.temperature, batch_size=128, seed=self.cfg.learner.seed)
-        return {"eval/accuracy": r.accuracy, "eval/response_length_tokens": r.mean_response_tokens,
-                "eval/truncated_fraction": r.truncated_fraction, "eval/num_prompts": float(r.num_samples),
-                "time/eval_s": time.perf_counter() - t0, "time/eval_done_unix_s": time.time()}
+    def _died(self, version: int | None) -> EvaluationFailed:
+        self._proc.join(timeout=5)
+        return EvaluationFailed(f"the evaluation process died (exit code {self._proc.exitcode}) while evaluating "
+                                f"version {version}; see the learner's log above for why")
+
+
+def _serve(conn: Connection, model_path: str, tokenizer: Any, prompts: list, max_new_tokens: int,
+           temperature: float, seed: int) -> None:
+    """The child: for each (version, weights) received, load and evaluate them, until EOF."""
+    from safetensors.torch import load
+    from transformers import AutoModelForCausalLM
+
+    from dapo.launch import die_with_parent
+
+    die_with_parent()
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    while True:
+        try:
+            version = json.loads(conn.recv_bytes())["version"]
+            weights = load(conn.recv_bytes())
+        except EOFError:
+            return
+        t0 = time.perf_counter()
+        try:
+            # strict=False: the published dict omits the tied lm_head copy (it is the embedding).
+            model.load_state_dict(weights, strict=False)
+            # batch_size 128: the whole built-in held-out set in one generate call, half the decoding steps of 64.
+            r = sampled_accuracy(model, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
+                                 batch_size=128, seed=seed)
+        except Exception as exc:  # noqa: BLE001 - reported to the learner, which raises it
+            conn.send_bytes(json.dumps({"version": version, "error": repr(exc)}).encode())
+            continue
+        conn.send_bytes(json.dumps({
+            "version": version, "eval/accuracy": r.accuracy, "eval/response_length_tokens": r.mean_response_tokens,
+            "eval/truncated_fraction": r.truncated_fraction, "eval/num_prompts": float(r.num_samples),
+            "time/eval_s": time.perf_counter() - t0, "time/eval_done_unix_s": time.time()}).encode())

@@ -8,7 +8,7 @@
                                           train        π_prox, M mini-batches × micro-batches, AdamW
                                           gather       full state dict -> rank 0
  publisher: SENDERS[weights.backend]   <─ publish      version v+1; coordinator.set_version
- evaluator (every K steps, sampled)                    (rank 0, a background thread: training goes on;
+ evaluator (every K steps, sampled)                    (rank 0, a forked process: training goes on;
                                                         step records wait in order for its result)
                                           checkpoint   every K steps (DCP + coordinator state)
  metrics.jsonl, trained_prompts.jsonl  <─ log          (the audit line is written before publish)
@@ -154,8 +154,6 @@ def publish_initial(services: Rank0Services, state_dict: dict[str, torch.Tensor]
 
 def save_checkpoint(cfg: DapoConfig, trainer: Trainer, services: Rank0Services | None, step: int,
                     model_path: str) -> None:
-    if services is not None and services.evaluator is not None:
-        services.evaluator.wait()  # it reseeds the global RNG, which the checkpoint saves
     run_state = {"step": step, "version": step, "coordinator": services.coordinator.state_dict(),
                  "replay": services.replay.state_dict()} if services else None
     checkpoint.save(cfg.run.run_dir, step, trainer.model, trainer.optimizer, trainer.scheduler, run_state,

@@ -77,6 +77,8 @@ def stop_services(cfg: DapoConfig, services: Rank0Services, step: int, start_ste
     services.replay.close()
     services.publisher.close()
     services.metrics.close()
+    if services.evaluator is not None:
+        services.evaluator.close()
     saved = (f"final checkpoint {checkpoint.checkpoint_dir(cfg.run.run_dir) / f'step_{step}'}" if step > start_step
              else "no step trained, no checkpoint written")
     actors = f"{told} actor(s) told to stop, {told - remaining} left and returned {returned} lease(s)"

@@ -69,6 +69,11 @@ def start_services(cfg: DapoConfig, model_path: Path, run_state: dict,
     t = cfg.transport
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = build_dataset(cfg, "train", tokenizer)
+    evaluator = None
+    if cfg.learner.eval_every_steps:  # first: it forks its process before the services start threads
+        from learner.evaluate import Evaluator
+
+        evaluator = Evaluator(cfg, model_path, tokenizer)
     coordinator = Coordinator.from_config(cfg, _Source(prompts))
     if "coordinator" in run_state:
         coordinator.load_state_dict(run_state["coordinator"])
@@ -89,11 +94,6 @@ def start_services(cfg: DapoConfig, model_path: Path, run_state: dict,
     run_dir = Path(cfg.run.run_dir)
     metrics = MetricsLogger(run_dir, wandb=cfg.learner.wandb, prometheus_port=cfg.learner.prometheus_port,
                             prometheus_host=t.host, config=to_dict(cfg))
-    evaluator = None
-    if cfg.learner.eval_every_steps:
-        from learner.evaluate import Evaluator
-
-        evaluator = Evaluator(cfg, model_path, tokenizer)
     services = Rank0Services(coordinator, replay, publisher, metrics, run_dir / "trained_prompts.jsonl", server,
                                   evaluator)
     senders = ", ".join(f"{name} {sender.endpoint}" for name, sender in publisher.senders.items())
