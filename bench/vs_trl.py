@@ -25,6 +25,8 @@ What is timed (both from the moment the harness starts the command):
   version was logged (what ``dapo run`` acts on). For TRL, the end of the training step whose
   weights scored >= 0.8, minus every second spent in the held-out evaluations (the evaluation is
   the benchmark's instrument, not part of the peer: it is excluded in the peer's favour).
+- step end: the end of the training step whose weights scored >= 0.8, on both sides (TRL's wall to
+  target; for dapo the step's own record, before its background evaluation reported).
 - training time: from the first training step's start (dapo: the version-0 evaluation record;
   TRL: ``on_train_begin``) to the same point, evaluation excluded for TRL.
 - s/step: training time / batches to target; steady state: the median time per batch after the
@@ -200,7 +202,7 @@ def trl_result(raw: dict) -> dict:
     excluded = excl[hit["batch"]]  # all evaluations before this one (the initial one included)
     wall = t_hit - raw["t_cmd_unix_s"] - excluded
     train_s = t_hit - begin - (excluded - _excluded_between(raw["evals"], 0, begin))
-    return {**out, "reached": True, "batches": hit["batch"], "wall_s": wall, "train_s": train_s,
+    return {**out, "reached": True, "batches": hit["batch"], "wall_s": wall, "step_end_s": wall, "train_s": train_s,
             "s_per_step": train_s / hit["batch"], "accuracy": hit["accuracy"]}
 
 
@@ -259,7 +261,9 @@ def dapo_result(recs: list[dict], t_cmd: float) -> dict:
     if hit is None:
         return {**out, "reached": False, "batches": steps[-1]["step"] if steps else 0}
     known = hit.get("time/eval_done_unix_s", hit["unix_time_s"])  # when dapo run could act on it
+    # step_end_s: when the step that made those weights ended (its record's own stamp), TRL's wall_s point.
     return {**out, "reached": True, "batches": int(hit["step"]), "wall_s": known - t_cmd,
+            "step_end_s": hit["unix_time_s"] - t_cmd,
             "train_s": known - begin, "s_per_step": (known - begin) / hit["step"], "accuracy": hit["eval/accuracy"]}
 
 
@@ -273,11 +277,13 @@ def fmt(x: float | None, spec: str = ".1f") -> str:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| system | config | seed | held-out at start | batches to 0.8 | wall to 0.8 (s) | training (s) | "
-             "s/step to 0.8 | steady s/step | start-up (s) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| system | config | seed | held-out at start | batches to 0.8 | wall to 0.8 (s) | step end (s) | "
+             "training (s) | s/step to 0.8 | steady s/step | start-up (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['system']} | {r['config']} | {r['seed']} | {r['first_accuracy']:.2f} | "
                      f"{r['batches'] if r['reached'] else '>' + str(r['batches'])} | {fmt(r.get('wall_s'))} | "
+                     f"{fmt(r.get('step_end_s'))} | "
                      f"{fmt(r.get('train_s'))} | {fmt(r.get('s_per_step'), '.3f')} | "
                      f"{fmt(r.get('steady_s_per_step'), '.3f')} | {fmt(r.get('startup_s'))} |")
     return "\n".join(lines)
@@ -288,19 +294,23 @@ def summary(rows: list[dict]) -> str:
     by = {}
     for r in rows:
         by.setdefault((r["system"], r["config"]), []).append(r)
-    means = {}
+    means, step_ends = {}, {}
     for (system, config), rs in by.items():
         done = [r for r in rs if r["reached"]]
         if len(done) < len(rs):
             out.append(f"- {system} ({config}): {len(rs) - len(done)} of {len(rs)} runs did not reach {TARGET}")
         if done:
             means[system] = statistics.mean(r["wall_s"] for r in done)
+            step_ends[system] = statistics.mean(r["step_end_s"] for r in done)
             out.append(f"- {system} ({config}): mean wall to {TARGET} **{means[system]:.1f} s**, training "
                        f"{statistics.mean(r['train_s'] for r in done):.1f} s, batches "
                        f"{statistics.mean(r['batches'] for r in done):.0f}, s/step "
                        f"{statistics.mean(r['s_per_step'] for r in done):.3f}")
     if "trl" in means and "dapo" in means:
         out.append(f"- ratio TRL / dapo (mean wall to {TARGET}): **{means['trl'] / means['dapo']:.2f}x**")
+        out.append(f"- the same point on both sides (the end of the step whose weights score >= {TARGET}; TRL's wall "
+                   f"to {TARGET} already is): dapo {step_ends['dapo']:.1f} s, TRL {step_ends['trl']:.1f} s, ratio "
+                   f"**{step_ends['trl'] / step_ends['dapo']:.2f}x**")
     return "\n".join(out)
 
 
