@@ -57,6 +57,10 @@ from protos import coordinator_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+# How long a push follower that has received before is given to deliver an announced version before
+# the actor fetches it over the network path (the broadcast was sent before the announcement).
+PUSH_WAIT_S = 1.0
+
 
 @dataclass
 class Session:
@@ -159,7 +163,9 @@ class Actor:
         if not initial and self.engine.version >= self.latest_version:
             return
         session = self._session()
-        received = session.follower.take()
+        # A push backend's copy of an announced version may still be arriving (the lease long poll
+        # answers as soon as the version is announced): wait for it briefly rather than fetch it twice.
+        received = session.follower.take(self.latest_version, timeout_s=0.0 if initial else PUSH_WAIT_S)
         if received is not None and received[0] >= self.latest_version and not initial:
             version, state = received  # the broadcast is already here: nothing to fetch
             self.metrics.add("weight_loads_collective")

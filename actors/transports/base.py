@@ -45,7 +45,9 @@ class Follower:
     def __init__(self, *_: object, **__: object) -> None:
         pass
 
-    def take(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+    def take(self, at_least: int = -1, timeout_s: float = 0.0) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The newest version that arrived and was not taken yet, or None. A push follower that has
+        received before waits up to ``timeout_s`` for version ``at_least`` (announced, so on its way)."""
         return None
 
     def close(self) -> None:
@@ -58,7 +60,8 @@ class PushFollower(Follower):
 
     def __init__(self, thread_name: str) -> None:
         self._latest: tuple[int, dict[str, torch.Tensor]] | None = None
-        self._lock = threading.Lock()
+        self._received_any = False
+        self._arrived = threading.Condition(threading.Lock())
         self._closed = threading.Event()
         threading.Thread(target=self._run, daemon=True, name=thread_name).start()
 
@@ -67,16 +70,22 @@ class PushFollower(Follower):
 
     def _offer(self, version: int, state: dict[str, torch.Tensor]) -> None:
         copy = {k: v.clone() for k, v in state.items()}  # the state views a buffer the next receive() overwrites
-        with self._lock:
-            self._latest = (version, copy)
+        with self._arrived:
+            self._latest, self._received_any = (version, copy), True
+            self._arrived.notify_all()
 
-    def take(self) -> tuple[int, dict[str, torch.Tensor]] | None:
-        with self._lock:
+    def take(self, at_least: int = -1, timeout_s: float = 0.0) -> tuple[int, dict[str, torch.Tensor]] | None:
+        with self._arrived:
+            if timeout_s > 0 and self._received_any:  # a member of the push: the announced version is on its way
+                self._arrived.wait_for(lambda: self._closed.is_set() or (
+                    self._latest is not None and self._latest[0] >= at_least), timeout_s)
             latest, self._latest = self._latest, None
         return latest
 
     def close(self) -> None:
         self._closed.set()
+        with self._arrived:
+            self._arrived.notify_all()
 
 
 RangeReader = Callable[[memoryview, int, int], None]

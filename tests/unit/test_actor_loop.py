@@ -199,7 +199,7 @@ class PushFollower:
         self.args, self.closed = (learner_host, weights.collective_port, timeout_s), False
         PushFollower.made.append(self)
 
-    def take(self):
+    def take(self, at_least=-1, timeout_s=0.0):
         return PushFollower.script.pop(0) if PushFollower.script else None
 
     def close(self):
