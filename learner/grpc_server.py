@@ -225,13 +225,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         _require(request.request_id >= 0 and request.last_received_request_id >= 0,
                  "request_id and last_received_request_id must be >= 0")
         result = self._lease(request)
-        # Long poll: a lease refused by the staleness bound waits here (at most transport.lease_retry_after_s)
-        # for the next version, which frees the slots, and is answered as soon as it is published instead
-        # of after the actor's retry delay (~half of it lost per step on average, bench/RESULTS.md).
+        # Long poll: a lease refused by the staleness bound waits here (at most transport.lease_retry_after_s,
+        # and half the actor's RPC deadline) for the next version, which frees the slots, and is answered as
+        # soon as it is published instead of after the actor's retry delay (bench/RESULTS.md "dapo vs TRL").
+        t = self.cfg.transport
         if not result.leases and result.denial == "staleness_bound" and self._lease_pollers.acquire(blocking=False):
             try:
                 waited = self.coordinator.wait_for_version_above(result.latest_version,
-                                                                 self.cfg.transport.lease_retry_after_s)
+                                                                 min(t.lease_retry_after_s, t.rpc_timeout_s / 2))
             finally:
                 self._lease_pollers.release()
             result = self._lease(request) if waited else replace(result, retry_after_s=0.0)  # it waited here
