@@ -184,7 +184,7 @@ class PackedMicroBatch:
         """Sequences with the same prompt ids (``prompt_lens`` > 0) share one copy of the prompt: each
         response continues at position ``prompt_len`` after it, and its first token is predicted from the
         prompt's last position, as in the sampler. The log-prob of every response token is the same
-        function of the same tokens as with the prompt repeated (tests/unit/test_batch.py); the forward
+        function of the same tokens as with the prompt repeated (tests/unit/test_attention.py); the forward
         of a group of G computes the prompt once instead of G times. Prompt tokens are never in the loss
         of a shared prompt (``from_groups`` masks them)."""
         num_seqs = int(seq_lens.numel())
