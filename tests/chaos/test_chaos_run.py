@@ -23,9 +23,14 @@ import pytest
 
 from tests.chaos.cluster import ROOT, Cluster, actor_staleness, audit_run, check_audit, wait_for
 
-TOTAL_STEPS, CHECKPOINT_EVERY, N, K = 24, 4, 4, 1
+TOTAL_STEPS, CHECKPOINT_EVERY, N, K = 40, 4, 4, 1
 OVERRIDES = [f"learner.total_steps={TOTAL_STEPS}", f"learner.checkpoint_every_steps={CHECKPOINT_EVERY}",
              "learner.eval_every_steps=0", f"algorithm.num_prompts_per_step={N}",
+             # Kills need the run to outlast them: a step of this run takes ~0.1 s on 2 cores, and the
+             # three actor kills (each may wait up to 5 s for its victim to hold leases) came after
+             # the resumed learner had finished 24 steps. Micro-batches of 128 tokens (~20 a step)
+             # and 40 steps keep the run going for ~10 s after the resume.
+             "learner.max_tokens_per_microbatch=128",
              f"algorithm.max_staleness_steps={K}", "data.builtin_num_train_prompts=2000",
              "transport.heartbeat_timeout_s=3", "actor.heartbeat_interval_s=0.5",
              "learner.batch_wait_timeout_s=120",
