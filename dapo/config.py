@@ -577,9 +577,9 @@ def load_resolved(path: str | Path, overrides: list[str] | tuple[str, ...] = ())
         data = json.loads(Path(path).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{path} is not a config written by `dapo run` or `dapo learner`: {exc!r}") from None
-    for item in overrides:
-        import yaml  # omegaconf's dependency
+    import yaml  # omegaconf's dependency; read values as Hydra would
 
+    for item in overrides:
         dotted, sep, text = item.partition("=")
         section, _, key = dotted.partition(".")
         known = sep and isinstance(data.get(section), dict) and key in data[section]

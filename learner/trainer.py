@@ -23,9 +23,8 @@ False). FSDP2 there shards nothing, casts nothing and reduces nothing; it only a
 to every parameter op and hooks around every layer, and AdamW on DTensors runs op by op in Python.
 The plain module trains the same (same parameter names; metrics and weights bit-identical to FSDP2's
 at one rank, tests/unit/test_trainer.py) in ~7 % less CPU per step (tiny model, 8 × 8 batch:
-bench/bench_learner_step.py). Mixed
-precision (float32 master weights, bfloat16 compute) and CPU offload are FSDP2's policies, so those
-keep it at one rank too; ``TrainerSettings.shard_single_rank`` forces it (tests, benchmarks).
+bench/bench_learner_step.py). Mixed precision (float32 master weights, bfloat16 compute) and CPU
+offload are FSDP2's policies, so those keep it at one rank too; ``TrainerSettings.shard_single_rank`` forces it (tests, benchmarks).
 
 AdamW runs its ``foreach`` kernels (one op per parameter list, not per parameter; torch picks them by
 default only on CUDA): bit-identical to the per-parameter path for plain tensors and for FSDP2's
