@@ -7,7 +7,7 @@
    │   sum64: a CUDA version is never staged on the host; the side channel and FetchWeights copy out
    │   only the ranges they serve
    ▼
- VersionStore (latest `keep_versions` versions, ref-counted buffers)
+ VersionStore (learner/version_store.py: latest `keep_versions` versions, ref-counted, recycled buffers)
    ├── WeightSource hook -> gRPC GetWeightInfo / FetchWeights (learner/grpc_server.py; grpc_stream)
    └── senders (learner/transports/ SENDERS[weights.backend]): side_channel (TCP pull), collective,
        cuda_ipc
@@ -16,71 +16,16 @@
 
 from __future__ import annotations
 
-import threading
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Mapping
 
 import torch
 
 from dapo.config import DEVICE_DIRECT_BACKENDS
-from dapo.weights import WeightManifest, flatten_state_dict
+from dapo.weights import flatten_state_dict, layout
 from learner.transports import SENDERS, SenderOptions, WeightSender, WeightSyncError
+from learner.version_store import VersionStore
 from protos import coordinator_pb2 as pb
-
-
-@dataclass
-class _Held:
-    buf: torch.Tensor
-    manifest: WeightManifest
-    readers: int = 0
-
-
-class VersionStore:
-    """The latest published versions, thread-safe. Buffers are recycled once no reader holds them."""
-
-    def __init__(self, keep_versions: int = 2) -> None:
-        self._keep = keep_versions
-        self._held: dict[int, _Held] = {}
-        self._spare: list[torch.Tensor] = []
-        self._lock = threading.Lock()
-
-    def spare_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor | None:
-        with self._lock:
-            for i, b in enumerate(self._spare):
-                if b.numel() >= nbytes and b.device == device:
-                    return self._spare.pop(i)
-        return None
-
-    def put(self, buf: torch.Tensor, manifest: WeightManifest) -> None:
-        with self._lock:
-            self._held[manifest.version] = _Held(buf, manifest)
-            for v in sorted(self._held)[:-self._keep]:
-                if self._held[v].readers == 0:
-                    self._spare.append(self._held.pop(v).buf)
-
-    def latest(self) -> WeightManifest | None:
-        with self._lock:
-            return self._held[max(self._held)].manifest if self._held else None
-
-    @contextmanager
-    def acquire(self, version: int) -> Iterator[_Held]:
-        """Hold ``version`` while reading it; KeyError when it is no longer (or not yet) held."""
-        with self._lock:
-            held = self._held[version]
-            held.readers += 1
-        try:
-            yield held
-        finally:
-            with self._lock:
-                held.readers -= 1
-                if held.readers == 0 and version not in self._held:
-                    self._spare.append(held.buf)
-                # Versions past `keep` that were busy when superseded are released by the last reader.
-                for v in sorted(self._held)[:-self._keep]:
-                    if self._held[v].readers == 0:
-                        self._spare.append(self._held.pop(v).buf)
 
 
 class WeightPublisher:
@@ -107,9 +52,8 @@ class WeightPublisher:
         returned metrics (``weights/<sender>_error`` = 1) and kept in ``errors``.
         """
         t0 = time.perf_counter()
-        total = sum(t.numel() * (torch.empty((), dtype=self.dtype).element_size()
-                                 if self.dtype is not None and t.is_floating_point() else t.element_size())
-                    for t in state_dict.values()) + 64 * len(state_dict)
+        # The exact size: a spare recycled from the last version fits this one exactly.
+        total = max((e.offset_bytes + e.nbytes for e in layout(state_dict, self.dtype)), default=0)
         first = next(iter(state_dict.values()), None)
         device = first.device if self.direct and first is not None else torch.device("cpu")
         buf, manifest = flatten_state_dict(state_dict, version=version, chunk_bytes=self.chunk_bytes, dtype=self.dtype,

@@ -5,14 +5,12 @@ collective) send every version. The actor side mirrors this in ``actors/transpor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
 from dapo.weights import WeightManifest
-
-if TYPE_CHECKING:
-    from learner.publisher import VersionStore
+from learner.version_store import VersionStore
 
 
 class WeightSyncError(RuntimeError):

@@ -17,17 +17,14 @@ import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from dapo.weights import WeightManifest
 from learner.transports.base import SenderOptions, WeightSyncError
+from learner.version_store import VersionStore
 from protos import transports
-
-if TYPE_CHECKING:
-    from learner.publisher import VersionStore
 
 
 @dataclass

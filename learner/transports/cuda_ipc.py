@@ -19,17 +19,14 @@ import ipaddress
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from dapo.config import ConfigError
 from dapo.weights import WeightManifest
 from learner.transports.base import SenderOptions, WeightSyncError
+from learner.version_store import VersionStore
 from protos.transports import cuda_ipc_share, recv_json, send_json, set_kernel_timeouts
-
-if TYPE_CHECKING:
-    from learner.publisher import VersionStore
 
 NOT_HERE = "cuda_ipc needs learner.device=cuda and an actor on the same host/GPU"
 

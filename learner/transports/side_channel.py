@@ -12,17 +12,14 @@ import hmac
 import socket
 import struct
 import threading
-from typing import TYPE_CHECKING
 
 import torch
 
 from dapo.weights import WeightManifest
 from learner.transports.base import SenderOptions
+from learner.version_store import VersionStore
 from protos import coordinator_pb2 as pb
 from protos.transports import set_kernel_timeouts
-
-if TYPE_CHECKING:
-    from learner.publisher import VersionStore
 
 MAX_REQUEST_BYTES = 1 << 16
 
