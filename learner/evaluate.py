@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import signal
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -28,6 +29,10 @@ import torch
 
 from dapo.config import DapoConfig
 from dapo.evaluation import sampled_accuracy
+
+
+PROCESS_NAME = "dapo-eval"
+"""The evaluation process's name in ps/psutil."""
 
 
 class EvaluationFailed(RuntimeError):
@@ -44,8 +49,9 @@ class Evaluator:
         # would import them again, ~2.5 s of CPU next to the run's start-up); it loads the model itself.
         self._conn, child_end = multiprocessing.Pipe()
         self._proc = multiprocessing.get_context("fork").Process(
-            target=_serve, args=(child_end, str(model_path), tokenizer, prompts, cfg.actor.max_response_tokens,
-                                 cfg.actor.temperature, cfg.learner.seed), name="dapo-eval", daemon=True)
+            target=_serve, args=(child_end, self._conn, str(model_path), tokenizer, prompts,
+                                 cfg.actor.max_response_tokens, cfg.actor.temperature, cfg.learner.seed),
+            name=PROCESS_NAME, daemon=True)
         self._proc.start()
         child_end.close()
         self._pending: int | None = None
@@ -74,12 +80,16 @@ class Evaluator:
         if self._pending is not None:
             self._receive()
 
-    def close(self) -> None:
-        self._conn.close()  # the child sees EOF and exits
-        self._proc.join(timeout=5)
-        if self._proc.is_alive():
+    def close(self, timeout_s: float = 5.0) -> str:
+        """End the child: EOF on its pipe (it finishes the evaluation in hand and exits 0), SIGKILL
+        after ``timeout_s``. Returns how it ended, for the learner's stop line."""
+        self._conn.close()
+        self._proc.join(timeout=timeout_s)
+        if self._proc.exitcode is None:
             self._proc.kill()
-            self._proc.join()
+            self._proc.join(timeout=timeout_s)
+            return f"evaluation process killed after {timeout_s:g} s"
+        return f"evaluation process exited {self._proc.exitcode}"
 
     def _receive(self) -> None:
         try:
@@ -97,15 +107,22 @@ class Evaluator:
                                 f"version {version}; see the learner's log above for why")
 
 
-def _serve(conn: Connection, model_path: str, tokenizer: Any, prompts: list, max_new_tokens: int,
-           temperature: float, seed: int) -> None:
+def _serve(conn: Connection, parent_end: Connection, model_path: str, tokenizer: Any, prompts: list,
+           max_new_tokens: int, temperature: float, seed: int) -> None:
     """The child: for each (version, weights) received, load and evaluate them, until EOF."""
+    # First: the learner's stop handlers (StopFlag) came with the fork and would make the child ignore
+    # SIGTERM (multiprocessing's exit hook terminate()s, then joins without a timeout); and while the
+    # child holds the parent's end of the pipe, the parent's close() never reaches it as EOF.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_DFL)
+    parent_end.close()
     from safetensors.torch import load
     from transformers import AutoModelForCausalLM
 
-    from dapo.launch import die_with_parent
+    from dapo.launch import die_with_parent, set_process_name
 
     die_with_parent()
+    set_process_name(PROCESS_NAME)
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa").eval()
     while True:

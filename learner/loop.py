@@ -56,12 +56,17 @@ def timed(times: dict[str, float], stage: str) -> Iterator[None]:
 
 def run(cfg: DapoConfig, trainer: Trainer, services: Rank0Services | None, *, start_step: int,
         model_path: str, stop: StopFlag) -> int:
-    """Train until ``learner.total_steps`` (or STOP); returns the last completed step."""
+    """Train until ``learner.total_steps`` (or STOP); returns the last completed step.
+
+    A failure of rank-0-only work (publish, evaluation, logging) is kept in ``failure`` and carried
+    to every rank by the next control broadcast (ERROR + its message): the other ranks are waiting
+    there, and would otherwise sit until ``learner.collective_timeout_s`` and die of a gloo timeout."""
     step, last_ckpt = start_step, start_step
+    failure: BaseException | None = None
     while not cfg.learner.total_steps or step < cfg.learner.total_steps:
         t, t_step = {}, time.perf_counter()
         with timed(t, "wait_batch"):
-            groups = next_batch(cfg, services, stop, trainer.device)
+            groups = next_batch(cfg, services, stop, trainer.device, failure)
         if groups is None:
             break
         with timed(t, "scatter"):
@@ -74,60 +79,106 @@ def run(cfg: DapoConfig, trainer: Trainer, services: Rank0Services | None, *, st
         with timed(t, "gather"):
             state_dict = trainer.full_state_dict()
         step += 1
-        if services:  # before publish/checkpoint: the audit never lags a checkpoint
-            with open(services.audit_path, "a") as f:
-                f.write(json.dumps({"step": step, "prompt_ids": [int(g.prompt_id) for g in groups]}) + "\n")
-        with timed(t, "publish"):
-            pub = publish(services, state_dict, step)
         evaluating = bool(services and services.evaluator and step % cfg.learner.eval_every_steps == 0)
-        if evaluating:  # off the critical path: the weights are copied, the next step starts now
-            with timed(t, "eval_submit"):
-                services.evaluator.submit(state_dict, step)
+        pub: dict[str, float] = {}
+        if services:
+            try:
+                with open(services.audit_path, "a") as f:  # before publish/checkpoint: the audit never lags
+                    f.write(json.dumps({"step": step, "prompt_ids": [int(g.prompt_id) for g in groups]}) + "\n")
+                with timed(t, "publish"):
+                    pub = publish(services, state_dict, step)
+                if evaluating:  # off the critical path: the weights are copied, the next step starts now
+                    with timed(t, "eval_submit"):
+                        services.evaluator.submit(state_dict, step)
+            except Exception as exc:  # noqa: BLE001 - every rank raises it at the next broadcast
+                failure = exc
         if cfg.learner.checkpoint_every_steps and step % cfg.learner.checkpoint_every_steps == 0:
             with timed(t, "checkpoint"):
                 save_checkpoint(cfg, trainer, services, step, model_path)
             last_ckpt = step
-        if services:
-            log_step(services, step, groups, batch, {**t, **train, **pub}, time.perf_counter() - t_step, evaluating)
+        if services and failure is None:
+            try:
+                log_step(services, step, groups, batch, {**t, **train, **pub}, time.perf_counter() - t_step,
+                         evaluating)
+            except Exception as exc:  # noqa: BLE001 - as above
+                failure = exc
     if step != last_ckpt:
         save_checkpoint(cfg, trainer, services, step, model_path)
-    if services:
-        flush_records(services, block=True)
+    if services and failure is None:
+        try:
+            flush_records(services, block=True)
+        except Exception as exc:  # noqa: BLE001 - as above
+            failure = exc
+    broadcast_control(STOP, failure, trainer.device)  # the run's outcome, on every rank
     return step
 
 
-def next_batch(cfg: DapoConfig, services: Rank0Services | None, stop: StopFlag,
-               device: torch.device) -> list | None:
+def next_batch(cfg: DapoConfig, services: Rank0Services | None, stop: StopFlag, device: torch.device,
+               failure: BaseException | None = None) -> list | None:
     """Rank 0 waits for N groups in slices, broadcasting WAIT between slices so the other ranks'
-    collective timeout never fires while actors are slow; BATCH, STOP or ERROR ends the wait."""
+    collective timeout never fires while actors are slow; BATCH, STOP or ERROR ends the wait
+    (ERROR at once when rank 0 already has a ``failure``)."""
     # Short slices: a SIGTERM is acted on within ~1 s (torchrun SIGKILLs ranks 30 s after SIGTERM).
     slice_s = min(1.0, cfg.learner.collective_timeout_s / 4)
-    deadline = time.monotonic() + cfg.learner.batch_wait_timeout_s
-    error: BaseException | None = None
+    t0 = time.monotonic()
+    deadline = t0 + cfg.learner.batch_wait_timeout_s
     while True:
-        ctrl, groups = torch.tensor([WAIT], dtype=torch.int64, device=device), None  # NCCL: on the GPU
+        code, groups, error = WAIT, None, failure
         if services is not None:
-            flush_records(services)  # evaluations that finished while waiting
-            if stop.reason:
-                ctrl[0] = STOP
-            else:
-                services.publisher.sync_new_members()  # bounded by weights.sync_timeout_s
-                try:
-                    groups = services.replay.get_batch(min(slice_s, max(deadline - time.monotonic(), 0.01)))
-                    ctrl[0] = BATCH
-                except TimeoutError as exc:
-                    if time.monotonic() >= deadline:
-                        error, ctrl[0] = exc, ERROR
-                except Exception as exc:  # noqa: BLE001 - e.g. DynamicSamplingStalled: stop all ranks cleanly
-                    error, ctrl[0] = exc, ERROR
-        dist.broadcast(ctrl, 0)
-        ctrl = ctrl.cpu()
-        if ctrl[0] == BATCH:
+            try:
+                code, groups = _wait_slice(services, stop, deadline, slice_s) if error is None else (ERROR, None)
+            except TimeoutError as exc:
+                code, error = ERROR, TimeoutError(
+                    f"learner: no batch after waiting {time.monotonic() - t0:.1f} s "
+                    f"(learner.batch_wait_timeout_s={cfg.learner.batch_wait_timeout_s:g}): {exc}")
+            except Exception as exc:  # noqa: BLE001 - e.g. DynamicSamplingStalled, EvaluationFailed: stop all ranks
+                code, error = ERROR, exc
+        code = broadcast_control(code, error, device)
+        if code == BATCH:
             return groups if services is not None else []
-        if ctrl[0] == STOP:
+        if code == STOP:
             return None
-        if ctrl[0] == ERROR:
-            raise error or RuntimeError("learner rank 0 failed while waiting for a batch; see rank 0's log")
+
+
+def _wait_slice(services: Rank0Services, stop: StopFlag, deadline: float, slice_s: float) -> tuple[int, list | None]:
+    """Rank 0: one slice of the wait: (BATCH, groups), (STOP, None) or (WAIT, None); TimeoutError at ``deadline``."""
+    flush_records(services)  # evaluations that finished while waiting
+    if stop.reason:
+        return STOP, None
+    services.publisher.sync_new_members()  # bounded by weights.sync_timeout_s
+    try:
+        return BATCH, services.replay.get_batch(min(slice_s, max(deadline - time.monotonic(), 0.01)))
+    except TimeoutError:
+        if time.monotonic() >= deadline:
+            raise
+        return WAIT, None
+
+
+ERROR_MESSAGE_BYTES = 4096
+
+
+class Rank0Failed(RuntimeError):
+    """Raised on ranks > 0: rank 0 failed; the message is rank 0's error."""
+
+
+def broadcast_control(code: int, error: BaseException | None, device: torch.device) -> int:
+    """Every rank: rank 0's control ``code`` (ERROR whenever rank 0 has an ``error``), and with ERROR
+    the error's text. Returns the code; raises on ERROR: rank 0 its own exception, the others
+    ``Rank0Failed`` with its message (no pickling: the text travels as a fixed-size byte tensor)."""
+    rank0 = dist.get_rank() == 0
+    ctrl = torch.tensor([ERROR if rank0 and error is not None else code], dtype=torch.int64, device=device)
+    dist.broadcast(ctrl, 0)  # NCCL: on the GPU
+    if int(ctrl.cpu()[0]) != ERROR:
+        return int(ctrl.cpu()[0])
+    text = torch.zeros(ERROR_MESSAGE_BYTES, dtype=torch.uint8)
+    if rank0:
+        raw = f"{type(error).__name__}: {error}".encode()[:ERROR_MESSAGE_BYTES]
+        text[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    text = text.to(device)
+    dist.broadcast(text, 0)
+    if rank0:
+        raise error or RuntimeError("learner rank 0 failed")
+    raise Rank0Failed("learner rank 0 failed: " + bytes(text.cpu().numpy()).rstrip(b"\0").decode(errors="replace"))
 
 
 def publish(services: Rank0Services | None, state_dict: dict[str, torch.Tensor], version: int) -> dict[str, float]:

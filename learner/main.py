@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -50,6 +51,10 @@ def main(argv: list[str]) -> int:
               f"{'resumed from ' + str(resume) if resume else 'fresh start'} at step {start_step}", flush=True)
     try:
         step = loop.run(cfg, trainer, services, start_step=start_step, model_path=str(model_path), stop=stop)
+    except BaseException:
+        if services is not None and services.evaluator is not None:
+            services.evaluator.close()  # bounded; the actors time out their leases as after a crash
+        raise
     finally:
         if services is not None:
             services.coordinator.request_shutdown()
@@ -77,15 +82,14 @@ def stop_services(cfg: DapoConfig, services: Rank0Services, step: int, start_ste
     services.replay.close()
     services.publisher.close()
     services.metrics.close()
-    if services.evaluator is not None:
-        services.evaluator.close()
+    evaluator = f"; {services.evaluator.close()}" if services.evaluator is not None else ""
     saved = (f"final checkpoint {checkpoint.checkpoint_dir(cfg.run.run_dir) / f'step_{step}'}" if step > start_step
              else "no step trained, no checkpoint written")
     actors = f"{told} actor(s) told to stop, {told - remaining} left and returned {returned} lease(s)"
     if remaining:
         actors += (f"; {remaining} had not left after transport.shutdown_drain_s={cfg.transport.shutdown_drain_s:g}"
                    " (their leases expire)")
-    print(f"learner: stopped at step {step} ({reason}): {saved}; {actors}", flush=True)
+    print(f"learner: stopped at step {step} ({reason}): {saved}; {actors}{evaluator}", flush=True)
 
 
 def teardown_and_exit(rc: int) -> None:
@@ -99,5 +103,19 @@ def teardown_and_exit(rc: int) -> None:
     os._exit(rc)
 
 
+def exit_on_error(exc: BaseException) -> None:
+    """Any failure of this rank: the traceback, then exit 1 at once. No barrier: the other ranks may be
+    gone, or are raising the same error (rank 0 broadcasts its failures as ERROR). Children were ended
+    (bounded) where they were owned; what is left dies with this process (die_with_parent)."""
+    traceback.print_exception(exc)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
 if __name__ == "__main__":
-    teardown_and_exit(main(sys.argv[1:]))
+    try:
+        rc = main(sys.argv[1:])
+    except BaseException as exc:  # noqa: BLE001 - the interpreter's own exit would join children unbounded
+        exit_on_error(exc)
+    teardown_and_exit(rc)

@@ -56,17 +56,10 @@ def start_services(cfg: DapoConfig, model_path: Path, run_state: dict,
                    device: torch.device = torch.device("cpu")) -> Rank0Services:
     """Start everything rank 0 serves; ``run_state`` comes from a checkpoint (resume; {} when
     fresh); ``device`` is rank 0's training device (it decides the collective's gloo or NCCL)."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from dapo.data import build_dataset
-    from learner.coordinator import Coordinator
-    from learner.metrics import MetricsLogger
-    from learner.publisher import WeightPublisher
-    from learner.replay import ReplayQueue
-    from learner.grpc_server import CoordinatorServer
-    from learner.transports import SenderOptions
 
-    t = cfg.transport
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = build_dataset(cfg, "train", tokenizer)
     evaluator = None
@@ -74,6 +67,27 @@ def start_services(cfg: DapoConfig, model_path: Path, run_state: dict,
         from learner.evaluate import Evaluator
 
         evaluator = Evaluator(cfg, model_path, tokenizer)
+    try:
+        return _start(cfg, model_path, run_state, device, tokenizer, prompts, evaluator)
+    except BaseException:
+        if evaluator is not None:
+            evaluator.close()
+        raise
+
+
+def _start(cfg: DapoConfig, model_path: Path, run_state: dict, device: torch.device, tokenizer, prompts,
+           evaluator: Evaluator | None) -> Rank0Services:
+    """What start_services starts after the evaluator's fork (it ends the evaluator if this fails)."""
+    from transformers import AutoConfig
+
+    from learner.coordinator import Coordinator
+    from learner.grpc_server import CoordinatorServer
+    from learner.metrics import MetricsLogger
+    from learner.publisher import WeightPublisher
+    from learner.replay import ReplayQueue
+    from learner.transports import SenderOptions
+
+    t = cfg.transport
     coordinator = Coordinator.from_config(cfg, _Source(prompts))
     if "coordinator" in run_state:
         coordinator.load_state_dict(run_state["coordinator"])
@@ -95,7 +109,7 @@ def start_services(cfg: DapoConfig, model_path: Path, run_state: dict,
     metrics = MetricsLogger(run_dir, wandb=cfg.learner.wandb, prometheus_port=cfg.learner.prometheus_port,
                             prometheus_host=t.host, config=to_dict(cfg))
     services = Rank0Services(coordinator, replay, publisher, metrics, run_dir / "trained_prompts.jsonl", server,
-                                  evaluator)
+                             evaluator)
     senders = ", ".join(f"{name} {sender.endpoint}" for name, sender in publisher.senders.items())
     print(f"learner: coordinator {server.address}, replay {replay.endpoint}, weights {w.backend} ({senders})",
           flush=True)

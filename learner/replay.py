@@ -182,9 +182,9 @@ class ReplayBuffer:
                 if remaining <= 0 or self._closed:
                     self._groups.extendleft(reversed(batch))
                     raise TimeoutError(
-                        f"replay queue: {len(batch)}/{n} groups after {timeout_s:.1f} s "
-                        f"(counters {self.counts}); are actors running and registered? see the coordinator "
-                        f"Status for leases and denials, or raise learner.batch_wait_timeout_s")
+                        f"replay queue: {len(batch)}/{n} groups (counters {self.counts}); are actors running "
+                        f"and registered? see the coordinator Status for leases and denials, or raise "
+                        f"learner.batch_wait_timeout_s")
                 self._want = n - len(batch)
                 self._cond.wait(remaining)
                 self._want = 0

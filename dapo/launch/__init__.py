@@ -32,6 +32,16 @@ def signal_on_parent_death(sig: int) -> bool:
     return True
 
 
+PR_SET_NAME = 15  # linux/prctl.h
+
+
+def set_process_name(name: str) -> None:
+    """The name ``ps``, ``top`` and psutil show for this process (Linux; at most 15 bytes). A forked
+    child otherwise shows its parent's name and command line and cannot be told apart from it."""
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_NAME, name.encode()[:15])
+
+
 def die_with_parent(parent: int | None = None) -> None:
     """SIGKILL this process when its parent dies, and exit now if it already has (``parent``: its
     PID when known, else a reparented process sees PID 1). Learner ranks and torchrun: torchrun starts

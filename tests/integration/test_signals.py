@@ -24,6 +24,7 @@ import pytest
 from dapo.config import TransportConfig
 from protos import coordinator_pb2 as pb
 from actors.client import CoordinatorClient
+from learner.evaluate import PROCESS_NAME as EVAL_PROCESS
 from tests.procs import kill_tree
 
 pytestmark = pytest.mark.slow
@@ -133,8 +134,9 @@ def verifier_worker(actor: Command) -> psutil.Process:
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_signal_stops_actor_then_learner_cleanly_and_weight_loads_log_nothing(tmp_path, model_path, sig):
-    # 127.0.0.1 with the default token: loopback keeps working without a token.
-    learner, address = start_learner(tmp_path, model_path)
+    # 127.0.0.1 with the default token: loopback keeps working without a token. Held-out evaluation
+    # on (its process must end by itself when the learner closes its pipe).
+    learner, address = start_learner(tmp_path, model_path, "learner.eval_every_steps=2")
     actor = Command(tmp_path / "actor.log", "actor", "--learner", address, *common(model_path, tmp_path / "run"))
     try:
         wait_for_weight_loads(learner, address, NUM_WEIGHT_LOADS, 300)
@@ -152,7 +154,7 @@ def test_signal_stops_actor_then_learner_cleanly_and_weight_loads_log_nothing(tm
         assert not [line for line in after_start.splitlines() if "WARNING" in line or "Warning" in line], after_start
 
         procs = learner.processes()
-        assert len(procs) == 3  # the wrapper, torchrun, one rank
+        assert len(procs) == 4 and [p.name() for p in procs].count(EVAL_PROCESS) == 1  # wrapper, torchrun, rank, eval
         learner.stop(sig)
         assert learner.exit_code(60) == 0, learner.text()[-3000:]
         assert_all_gone(procs)
@@ -161,7 +163,7 @@ def test_signal_stops_actor_then_learner_cleanly_and_weight_loads_log_nothing(tm
         stops = [line for line in log.splitlines() if "stopped" in line]
         assert len(stops) == 1, stops
         step = int(re.search(rf"^learner: stopped at step (\d+) \({sig.name}\): final checkpoint (\S+); "
-                             r"0 actor\(s\) told to stop", stops[0]).group(1))
+                             r"0 actor\(s\) told to stop.*; evaluation process exited 0$", stops[0]).group(1))
         assert (tmp_path / "run" / "checkpoints" / f"step_{step}" / ".metadata").exists()
     finally:
         actor.close()
@@ -242,5 +244,59 @@ def test_second_signal_stops_at_once_and_leaves_no_process(tmp_path, model_path)
                          log, re.M), log[-3000:]
     finally:
         client.close()
+        actor.close()
+        learner.close()
+
+
+def rank_lines(log: str, pattern: str) -> list[str]:
+    return [line for line in log.splitlines() if re.search(pattern, line)]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_learner_failure_with_evaluation_on_exits_nonzero_within_a_bound_and_leaves_no_process(
+        tmp_path, model_path, ranks):
+    # No actor: rank 0's wait for a batch times out. The evaluation process must not keep the rank
+    # (or torchrun, or `dapo run`) alive, and every rank exits with rank 0's error, not a gloo timeout.
+    wait_s = 6
+    learner, _ = start_learner(tmp_path, model_path, f"learner.num_ranks={ranks}", "learner.eval_every_steps=2",
+                               "learner.total_steps=5", f"learner.batch_wait_timeout_s={wait_s}")
+    try:
+        procs = learner.processes()
+        assert [p.name() for p in procs].count(EVAL_PROCESS) == 1, [p.name() for p in procs]
+        t0 = time.monotonic()
+        assert learner.exit_code(wait_s + 60) != 0
+        assert time.monotonic() - t0 < wait_s + 60
+        assert_all_gone(procs)
+        log = learner.text()
+        waited = rf"no batch after waiting {wait_s}\.\d s \(learner.batch_wait_timeout_s={wait_s}\): replay queue: 0/2"
+        assert len(rank_lines(log, rf"^TimeoutError: learner: {waited}")) == 1, log[-3000:]
+        assert len(rank_lines(log, rf"^learner.loop.Rank0Failed: learner rank 0 failed: TimeoutError: learner: "
+                                   rf"{waited}")) == ranks - 1, log[-3000:]
+        assert "Gloo" not in log and "timed out" not in log.lower(), log[-3000:]
+    finally:
+        learner.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_dead_evaluation_process_reaches_every_rank_as_the_original_error(tmp_path, model_path):
+    learner, address = start_learner(tmp_path, model_path, "learner.num_ranks=2", "learner.eval_every_steps=1",
+                                     "learner.collective_timeout_s=120")
+    actor = Command(tmp_path / "actor.log", "actor", "--learner", address, *common(model_path, tmp_path / "run"),
+                    "actor.engine=torch")
+    try:
+        wait_for_step(learner, tmp_path / "run", 1, 240)
+        procs = learner.processes()
+        evaluator = next(p for p in procs if p.name() == EVAL_PROCESS)
+        evaluator.kill()
+        t0 = time.monotonic()
+        assert learner.exit_code(60) != 0
+        assert time.monotonic() - t0 < 30  # at the next step or wait slice, far inside collective_timeout_s
+        assert_all_gone(procs)
+        log = learner.text()
+        died = r"EvaluationFailed: the evaluation process died \(exit code -9\) while evaluating version \d+"
+        assert len(rank_lines(log, rf"^learner.evaluate.{died}")) == 1, log[-3000:]
+        assert len(rank_lines(log, rf"^learner.loop.Rank0Failed: learner rank 0 failed: {died}")) == 1, log[-3000:]
+    finally:
         actor.close()
         learner.close()
