@@ -33,6 +33,7 @@ from dapo.evaluation import sampled_accuracy
 
 PROCESS_NAME = "dapo-eval"
 """The evaluation process's name in ps/psutil."""
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class EvaluationFailed(RuntimeError):
@@ -52,7 +53,13 @@ class Evaluator:
             target=_serve, args=(child_end, self._conn, str(model_path), tokenizer, prompts,
                                  cfg.actor.max_response_tokens, cfg.actor.temperature, cfg.learner.seed),
             name=PROCESS_NAME, daemon=True)
-        self._proc.start()
+        # Signals blocked across the fork: one that arrives before the child has reset its handlers
+        # (see _serve) waits for it instead of running the learner's StopFlag handler in the child.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            self._proc.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         child_end.close()
         self._pending: int | None = None
         self._results: dict[int, dict[str, float]] = {}
@@ -113,8 +120,9 @@ def _serve(conn: Connection, parent_end: Connection, model_path: str, tokenizer:
     # First: the learner's stop handlers (StopFlag) came with the fork and would make the child ignore
     # SIGTERM (multiprocessing's exit hook terminate()s, then joins without a timeout); and while the
     # child holds the parent's end of the pipe, the parent's close() never reaches it as EOF.
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     parent_end.close()
     from safetensors.torch import load
     from transformers import AutoModelForCausalLM

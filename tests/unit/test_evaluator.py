@@ -50,8 +50,27 @@ def test_the_child_scores_the_submitted_weights_as_this_process_would(setup):
             assert got["eval/num_prompts"] == 128 and evaluator.result(version) is None  # handed out once
         assert _here(setup, original) != _here(setup, shifted)  # the two versions are told apart
     finally:
+        ended = evaluator.close()
+    assert ended == "evaluation process exited 0"  # it saw EOF and left by itself, not killed
+
+
+def test_the_child_takes_sigterm_as_a_process_does_not_as_a_learner_stop_request(setup):
+    from learner.loop import StopFlag
+
+    cfg, path, tokenizer, _, _ = setup
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    StopFlag()  # as on learner rank 0: installed before the evaluator forks
+    try:
+        evaluator = Evaluator(cfg, path, tokenizer)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    try:
+        evaluator._proc.terminate()  # what multiprocessing's exit hook does to a daemon child
+        evaluator._proc.join(10)
+        assert evaluator._proc.exitcode == -signal.SIGTERM
+    finally:
         evaluator.close()
-    assert not evaluator._proc.is_alive()
 
 
 def test_a_failed_evaluation_and_a_dead_process_are_errors_not_hangs(setup):
