@@ -223,7 +223,9 @@ class Actor:
         if resp.denial == pb.LEASE_DENIAL_SHUTTING_DOWN:
             log.info("the run is stopping; leaving")
             self.stop.set()
-        elif resp.denial != pb.LEASE_DENIAL_WEIGHTS_UNUSABLE:  # the next lease() updates first
+        elif resp.denial != pb.LEASE_DENIAL_WEIGHTS_UNUSABLE and self.latest_version <= self.engine.version:
+            # Else weights to load (unusable ones, or older than the published version, retry 0):
+            # no wait, the next lease() loads them first.
             with self.metrics.stage("lease_wait"):
                 self.stop.wait(max(resp.retry_after_s, 0.01))
         return []

@@ -181,6 +181,33 @@ def test_announced_but_unpublished_version_is_waited_for_not_reloaded(make_actor
     assert actor.metrics.stage_s["weight_wait"] > 0
 
 
+class RecordedStop(threading.Event):
+    """The actor's stop event, recording every wait the loop sleeps on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits: list[float] = []
+
+    def wait(self, timeout=None):
+        self.waits.append(timeout)
+        return super().wait(timeout)
+
+
+def test_an_actor_refused_for_weights_older_than_the_published_ones_loads_them_without_waiting(make_actor):
+    """k = 1: version-0 weights are still usable at version 1 but free no slot (slots count from
+    min(version, weights)); the coordinator says load (retry 0), and the actor does, at once."""
+    client = FakeClient(current_version=0)
+    actor, engine, fetched = make_actor(client)
+    actor.stop = RecordedStop()
+    client.lease_script = [pb.LeaseResponse(denial=pb.LEASE_DENIAL_STALENESS_BOUND, retry_after_s=0.0,
+                                            latest_version=1)]
+    engine.during_generate = actor.stop.set
+    assert actor.run() == 0
+    assert [r.weight_version for r in client.named("Lease")] == [0, 1]
+    assert engine.loaded == [0, 1] and fetched == [0, 1]
+    assert actor.stop.waits == []  # no sleep between the refusal and the load
+
+
 def run_params(**changes) -> pb.RunParams:
     run = pb.RunParams()
     run.CopyFrom(RUN)
