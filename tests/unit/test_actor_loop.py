@@ -366,13 +366,23 @@ def test_learner_shutdown_makes_the_actor_leave(make_actor, how):
 def test_unreachable_learner_keeps_the_session_and_retries(make_actor):
     from actors.client import LearnerUnavailable
 
-    client = FakeClient()
+    class SlowToFail(FakeClient):
+        def call(self, method, request, timeout_s=None):
+            if method == "Lease" and self.lease_script:
+                threading.Event().wait(0.1)  # the call's deadline running out
+            return super().call(method, request, timeout_s)
+
+    client = SlowToFail()
     actor, engine, fetched = make_actor(client)
     client.lease_script = [LearnerUnavailable("Lease: DEADLINE_EXCEEDED")]
     engine.during_generate = actor.stop.set
     assert actor.run() == 0
     assert client.registrations == 1 and fetched == [0]  # same session, no refetch
     assert len(client.named("Lease")) == 2 and actor.metrics.counters["learner_unreachable"] == 1
+    # Idle: the failed call until its deadline, and the wait before the retry (1 s).
+    snap = actor.metrics.snapshot()
+    assert snap["idle/lease_wait_s"] >= 0.1 and snap["idle/learner_wait_s"] >= 1.0
+    assert snap["idle/total_s"] >= 1.1
 
 
 @pytest.mark.parametrize("code,expected", [
