@@ -117,7 +117,8 @@ class Actor:
             except LearnerUnavailable as exc:  # down, restarting or slow: keep the session, retry
                 self.metrics.add("learner_unreachable")
                 log.warning("the learner did not answer (%s); retrying", exc)
-                self.stop.wait(min(1.0, self.cfg.actor.connect_retry_max_s))
+                with self.metrics.stage("learner_wait"):
+                    self.stop.wait(min(1.0, self.cfg.actor.connect_retry_max_s))
         self.leave()
         return 0
 
@@ -134,8 +135,9 @@ class Actor:
             except LearnerUnavailable as exc:
                 log.info("waiting for the learner at %s for %.0fs (%s); next try in %.1fs",
                          self.client.address, waited_s, exc, delay_s)
-                if self.stop.wait(delay_s):
-                    return False
+                with self.metrics.stage("learner_wait"):
+                    if self.stop.wait(delay_s):
+                        return False
                 waited_s += delay_s
                 delay_s = min(delay_s * 2, self.cfg.actor.connect_retry_max_s)
         else:
@@ -165,7 +167,8 @@ class Actor:
         session = self._session()
         # A push backend's copy of an announced version may still be arriving (the lease long poll
         # answers as soon as the version is announced): wait for it briefly rather than fetch it twice.
-        received = session.follower.take(self.latest_version, timeout_s=0.0 if initial else PUSH_WAIT_S)
+        with self.metrics.stage("weight_wait"):  # the engine sits unused meanwhile: idle
+            received = session.follower.take(self.latest_version, timeout_s=0.0 if initial else PUSH_WAIT_S)
         if received is not None and received[0] >= self.latest_version and not initial:
             version, state = received  # the broadcast is already here: nothing to fetch
             self.metrics.add("weight_loads_collective")
@@ -197,8 +200,9 @@ class Actor:
                     return self.fetch_weights(session.actor_id)
             except LearnerUnavailable as exc:
                 log.info("waiting for weights (%s): %s; next try in %.1fs", reason, exc, delay_s)
-                if self.stop.wait(delay_s):
-                    return None
+                with self.metrics.stage("weight_wait"):
+                    if self.stop.wait(delay_s):
+                        return None
                 # At most 1 s: after a learner restart this loop is where the actor notices that its
                 # session is gone (the heartbeat thread marks it); a 10 s back-off here would keep
                 # an actor away for a whole resumed run.
@@ -210,12 +214,16 @@ class Actor:
         if self.stop.is_set():
             return []
         session = self._session()
-        start = time.perf_counter()
-        resp = self.client.call("Lease", pb.LeaseRequest(actor_id=session.actor_id,
-                                                         num_prompts=session.run.prompts_per_lease,
-                                                         weight_version=self.engine.version))
-        # A refused lease may have waited for the next version in the coordinator (its long poll): idle.
-        self.metrics.add_time("lease" if resp.leases else "lease_wait", time.perf_counter() - start)
+        start, resp = time.perf_counter(), None
+        try:
+            resp = self.client.call("Lease", pb.LeaseRequest(actor_id=session.actor_id,
+                                                             num_prompts=session.run.prompts_per_lease,
+                                                             weight_version=self.engine.version))
+        finally:
+            # A refused lease may have waited for the next version in the coordinator (its long poll),
+            # a failed one for its deadline: idle.
+            self.metrics.add_time("lease" if resp is not None and resp.leases else "lease_wait",
+                                  time.perf_counter() - start)
         self.latest_version = max(self.latest_version, resp.latest_version)
         if resp.leases:
             self.metrics.add("leases_granted", len(resp.leases))
@@ -223,7 +231,9 @@ class Actor:
         if resp.denial == pb.LEASE_DENIAL_SHUTTING_DOWN:
             log.info("the run is stopping; leaving")
             self.stop.set()
-        elif resp.denial != pb.LEASE_DENIAL_WEIGHTS_UNUSABLE:  # the next lease() updates first
+        elif resp.denial != pb.LEASE_DENIAL_WEIGHTS_UNUSABLE and self.latest_version <= self.engine.version:
+            # Else weights to load (unusable ones, or older than the published version, retry 0):
+            # no wait, the next lease() loads them first.
             with self.metrics.stage("lease_wait"):
                 self.stop.wait(max(resp.retry_after_s, 0.01))
         return []
@@ -320,7 +330,7 @@ class Actor:
             names = pb.ActorCounters.DESCRIPTOR.fields_by_name
             snap = self.metrics.snapshot()
             values = {**self.metrics.counters, "uptime_ms": int(1000 * snap["actor/wall_s"]),
-                      "idle_ms": int(1000 * (snap["idle/lease_wait_s"] + snap["idle/weight_wait_s"]))}
+                      "idle_ms": int(1000 * snap["idle/total_s"])}
             counters = pb.ActorCounters(**{k: values[k] for k in names})
             try:
                 resp = self.client.call("Heartbeat", pb.HeartbeatRequest(

@@ -1,9 +1,12 @@
 """Per-actor metrics: throughput, idle time, weight loads, verifier errors.
 
 Namespace ``actor/``: counters (monotonic since start), ``time/<stage>`` (seconds spent in each
-loop stage, summed) and rates over the wall time since start. ``idle/lease_wait_s`` and
-``idle/weight_wait_s`` are the async-health numbers: time the engine sat unused because the
-coordinator gave no prompts (staleness bound, queue credit) or because weights were fetched.
+loop stage, summed) and rates over the wall time since start. ``idle/lease_wait_s``,
+``idle/weight_wait_s`` and ``idle/learner_wait_s`` are the async-health numbers: time the engine
+sat unused because the coordinator gave no prompts (staleness bound, queue credit), because weights
+were awaited (a pushed version, a fetch and its retries, the load) or because the learner did not
+answer (its backoff); ``idle/total_s`` is their sum (``idle_ms`` in heartbeats, the learner's
+``actors/idle_fraction``).
 
 Optional Prometheus endpoint (``actor.prometheus_port > 0``): the same numbers as
 ``dapo_actor_*`` gauges, read at scrape time from ``snapshot()`` (no second bookkeeping).
@@ -32,6 +35,9 @@ COUNTERS = ("groups_pushed", "samples_generated", "tokens_generated", "verifier_
             "weight_loads", "weight_loads_collective", "push_failures", "leases_granted", "leases_returned",
             "registrations", "learner_lost", "learner_unreachable")
 """Counter names (all start at 0)."""
+IDLE_STAGES = {"lease_wait": ("lease_wait",), "weight_wait": ("fetch_weights", "load_weights", "weight_wait"),
+               "learner_wait": ("learner_wait",)}
+"""``idle/<name>_s``: the stages in which the engine sits unused, summed."""
 
 
 class ActorMetrics:
@@ -41,7 +47,7 @@ class ActorMetrics:
         self.counters: dict[str, int] = {k: 0 for k in COUNTERS}
         self.stage_s: dict[str, float] = defaultdict(float)
         """Seconds spent per stage (``lease``, ``generate``, ``score``, ``push``, ``fetch_weights``,
-        ``load_weights``, ``lease_wait``, ``weight_wait``)."""
+        ``load_weights``, and the idle ones of IDLE_STAGES)."""
         self.last_stage_s: dict[str, float] = {}
         self.weight_version = 0
 
@@ -76,9 +82,9 @@ class ActorMetrics:
             out["actor/groups_per_s"] = self.counters["groups_pushed"] / max(wall_s, 1e-9)
             gen_s = self.stage_s.get("generate", 0.0)
             out["actor/generate_tokens_per_s"] = self.counters["tokens_generated"] / gen_s if gen_s else 0.0
-            out["idle/lease_wait_s"] = self.stage_s.get("lease_wait", 0.0)
-            out["idle/weight_wait_s"] = sum(self.stage_s.get(k, 0.0) for k in ("fetch_weights", "load_weights",
-                                                                                 "weight_wait"))
+            for name, stages in IDLE_STAGES.items():
+                out[f"idle/{name}_s"] = sum(self.stage_s.get(k, 0.0) for k in stages)
+            out["idle/total_s"] = sum(out[f"idle/{name}_s"] for name in IDLE_STAGES)
             out["actor/weight_load_s_last"] = self.last_stage_s.get("load_weights", 0.0)
             return out
 
@@ -87,7 +93,8 @@ class ActorMetrics:
         return (f"v{int(s['actor/weight_version'])} groups={int(s['actor/groups_pushed'])} "
                 f"tok/s={s['actor/tokens_per_s']:.0f} (generating {s['actor/generate_tokens_per_s']:.0f}) "
                 f"groups/s={s['actor/groups_per_s']:.2f} idle lease={s['idle/lease_wait_s']:.1f}s "
-                f"weights={s['idle/weight_wait_s']:.1f}s weight_loads={int(s['actor/weight_loads'])} "
+                f"weights={s['idle/weight_wait_s']:.1f}s learner={s['idle/learner_wait_s']:.1f}s "
+                f"weight_loads={int(s['actor/weight_loads'])} "
                 f"(collective {int(s['actor/weight_loads_collective'])}) "
                 f"verifier_errors={int(s['actor/verifier_errors'])} "
                 f"push_failures={int(s['actor/push_failures'])} time/ "

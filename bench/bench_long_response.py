@@ -22,8 +22,8 @@ Per run, in the steady state (learner steps after the first ``--skip-steps``):
   step skip+1 record's ``unix_time_s`` to step N's (the first record opens the span);
 - learner idle: the mean of ``learner/idle_fraction`` (time waiting for a batch / step time);
 - actor idle and generating tokens/s (tokens per second inside generate calls): from the actor's
-  own cumulative counters (actors/metrics.py: ``idle/lease_wait_s + idle/weight_wait_s``,
-  ``actor/wall_s``, ``actor/tokens_generated``, ``time/generate_s``), read from its Prometheus endpoint
+  own cumulative counters (actors/metrics.py: ``idle/total_s``, ``actor/wall_s``,
+  ``actor/tokens_generated``, ``time/generate_s``), read from its Prometheus endpoint
   (``actor.prometheus_port``) by this harness each time a training record appears in
   metrics.jsonl (polled every ``POLL_S``). Over the readings at the records of steps skip+1 and
   the last one read (step N, or N-1 when the actor has already stopped): actor idle = d(idle) /
@@ -79,9 +79,8 @@ MODES = {"between_batches": ["actor.update_mode=between_batches"],
 POLL_S = 0.1
 """How often the harness looks for new training records (each one triggers a reading of the actor)."""
 TRL_THREADS = 2
-ACTOR_COUNTERS = {"dapo_actor_wall_s": "wall_s", "dapo_actor_idle_lease_wait_s": "idle_s",
-                  "dapo_actor_idle_weight_wait_s": "idle_s", "dapo_actor_tokens_generated": "tokens",
-                  "dapo_actor_time_generate_s": "generate_s"}
+ACTOR_COUNTERS = {"dapo_actor_wall_s": "wall_s", "dapo_actor_idle_total_s": "idle_s",
+                  "dapo_actor_tokens_generated": "tokens", "dapo_actor_time_generate_s": "generate_s"}
 """Prometheus gauge (actors.metrics.prometheus_name) -> reading field (summed when two map to one)."""
 
 

@@ -13,7 +13,9 @@ published (``Coordinator.begin_publish``):
 ```
 
 Slots count from ``min(v, w)``, not v: an actor k versions behind would otherwise fill slots that
-are only fresh for up-to-date actors, and its groups would be up to 2k old at consumption.
+are only fresh for up-to-date actors, and its groups would be up to 2k old at consumption. So an
+actor behind v that the bound refuses is told to load v at once (retry 0, Coordinator.lease): no
+wait frees a slot for its weights, loading v does.
 The coordinator asks at dispatch, the replay queue at admission and consumption; with the
 dispatch rule kept, the consumption check drops (almost) nothing.
 """

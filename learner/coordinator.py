@@ -168,8 +168,16 @@ class Coordinator:
                 grants.append(ledger.grant(lease))
             if denial:
                 self._count(f"lease_denied/{denial}")
-            retry = 0.0 if denial in ("", "weights_unusable") else self.lease_retry_after_s
-            return LeaseResult(grants, denial, retry, self.version)
+            return LeaseResult(grants, denial, self._retry_after_s(denial, weight_version), self.version)
+
+    def _retry_after_s(self, denial: str, weight_version: int) -> float:
+        """0 where the actor should act at once: all granted, or weights to load first (unusable
+        ones, or weights older than the published version while the staleness bound refuses:
+        slots count from min(version, weights), so loading the published version frees slots
+        that no wait frees). Else the actor waits ``lease_retry_after_s`` (the server long-polls)."""
+        if denial in ("", "weights_unusable") or (denial == "staleness_bound" and weight_version < self.version):
+            return 0.0
+        return self.lease_retry_after_s
 
     def lease_numbered(self, actor_id: int, num_prompts: int, weight_version: int, *, request_id: int,
                        last_received_request_id: int) -> LeaseResult:

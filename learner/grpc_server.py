@@ -20,6 +20,7 @@ import hmac
 import logging
 import socket
 import threading
+import time
 from concurrent import futures
 from dataclasses import replace
 from typing import Any, Callable, Iterator, Protocol
@@ -225,22 +226,45 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         _require(request.request_id >= 0 and request.last_received_request_id >= 0,
                  "request_id and last_received_request_id must be >= 0")
         result = self._lease(request)
-        # Long poll: a lease refused by the staleness bound waits here (at most transport.lease_retry_after_s,
-        # and half the actor's RPC deadline) for the next version, which frees the slots, and is answered as
-        # soon as it is published instead of after the actor's retry delay (bench/RESULTS.md "dapo vs TRL").
-        t = self.cfg.transport
-        if not result.leases and result.denial == "staleness_bound" and self._lease_pollers.acquire(blocking=False):
+        if self._waits_for_a_version(result) and self._lease_pollers.acquire(blocking=False):
             try:
-                waited = self.coordinator.wait_for_version_above(result.latest_version,
-                                                                 min(t.lease_retry_after_s, t.rpc_timeout_s / 2))
+                result = self._long_poll(request, result, self._long_poll_s(context))
             finally:
                 self._lease_pollers.release()
-            result = self._lease(request) if waited else replace(result, retry_after_s=0.0)  # it waited here
         return pb.LeaseResponse(
             leases=[pb.PromptLease(lease_id=g.lease_id, prompt_id=g.prompt_id, prompt_token_ids=g.prompt_token_ids,
                                    data_source=g.data_source, ground_truth=g.ground_truth) for g in result.leases],
             retry_after_s=result.retry_after_s, denial=DENIAL_TO_PB[result.denial],
             latest_version=result.latest_version)
+
+    @staticmethod
+    def _waits_for_a_version(result: LeaseResult) -> bool:
+        """Refused by the staleness bound with weights as new as the published version (retry > 0):
+        only the next version frees slots for it. One with older weights (retry 0) is answered at
+        once, to load the published version."""
+        return not result.leases and result.denial == "staleness_bound" and result.retry_after_s > 0
+
+    def _long_poll(self, request: pb.LeaseRequest, result: LeaseResult, wait_s: float) -> LeaseResult:
+        """The Lease long poll: wait here, at most ``wait_s``, for the next version and lease again
+        as soon as it is published, instead of the actor sleeping its retry delay (bench/RESULTS.md
+        "dapo vs TRL"). After a publish the actor is leased if it holds that version (it received it
+        while it was being published) and else told to load it (retry 0, Coordinator.lease); a
+        poll that times out is answered with retry 0: the actor has waited here already."""
+        deadline = time.monotonic() + wait_s
+        while self._waits_for_a_version(result):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self.coordinator.wait_for_version_above(result.latest_version, remaining):
+                return replace(result, retry_after_s=0.0)
+            result = self._lease(request)
+        return result
+
+    def _long_poll_s(self, context: grpc.ServicerContext | None) -> float:
+        """The retry delay the actor would sleep, and at most half of what is left of the actor's
+        own deadline (gRPC sends it with the call), so that the reply beats it; a call without a
+        deadline (or a direct call with no context) counts the run's transport.rpc_timeout_s."""
+        t = self.cfg.transport
+        remaining = context.time_remaining() if context is not None else None
+        return min(t.lease_retry_after_s, (t.rpc_timeout_s if remaining is None else remaining) / 2)
 
     def _lease(self, request: pb.LeaseRequest) -> LeaseResult:
         if request.request_id:  # a denial is not kept for replay: asking again with the same number is a new lease

@@ -96,7 +96,9 @@ class CoordinatorServicer:
 
     def Lease(self, request, context):
         """Ask for prompts to generate. Empty `leases` + `retry_after_s` + `denial` when none may be
-        given now (staleness bound, queue credit, old weights, data exhausted, shutdown).
+        given now (staleness bound, queue credit, old weights, data exhausted, shutdown). A refusal by
+        the staleness bound may be held back until the next version is published (a long poll, for at
+        most the retry delay and half the call's deadline), then answered again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

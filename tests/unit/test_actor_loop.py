@@ -181,6 +181,33 @@ def test_announced_but_unpublished_version_is_waited_for_not_reloaded(make_actor
     assert actor.metrics.stage_s["weight_wait"] > 0
 
 
+class RecordedStop(threading.Event):
+    """The actor's stop event, recording every wait the loop sleeps on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waits: list[float] = []
+
+    def wait(self, timeout=None):
+        self.waits.append(timeout)
+        return super().wait(timeout)
+
+
+def test_an_actor_refused_for_weights_older_than_the_published_ones_loads_them_without_waiting(make_actor):
+    """k = 1: version-0 weights are still usable at version 1 but free no slot (slots count from
+    min(version, weights)); the coordinator says load (retry 0), and the actor does, at once."""
+    client = FakeClient(current_version=0)
+    actor, engine, fetched = make_actor(client)
+    actor.stop = RecordedStop()
+    client.lease_script = [pb.LeaseResponse(denial=pb.LEASE_DENIAL_STALENESS_BOUND, retry_after_s=0.0,
+                                            latest_version=1)]
+    engine.during_generate = actor.stop.set
+    assert actor.run() == 0
+    assert [r.weight_version for r in client.named("Lease")] == [0, 1]
+    assert engine.loaded == [0, 1] and fetched == [0, 1]
+    assert actor.stop.waits == []  # no sleep between the refusal and the load
+
+
 def run_params(**changes) -> pb.RunParams:
     run = pb.RunParams()
     run.CopyFrom(RUN)
@@ -339,13 +366,23 @@ def test_learner_shutdown_makes_the_actor_leave(make_actor, how):
 def test_unreachable_learner_keeps_the_session_and_retries(make_actor):
     from actors.client import LearnerUnavailable
 
-    client = FakeClient()
+    class SlowToFail(FakeClient):
+        def call(self, method, request, timeout_s=None):
+            if method == "Lease" and self.lease_script:
+                threading.Event().wait(0.1)  # the call's deadline running out
+            return super().call(method, request, timeout_s)
+
+    client = SlowToFail()
     actor, engine, fetched = make_actor(client)
     client.lease_script = [LearnerUnavailable("Lease: DEADLINE_EXCEEDED")]
     engine.during_generate = actor.stop.set
     assert actor.run() == 0
     assert client.registrations == 1 and fetched == [0]  # same session, no refetch
     assert len(client.named("Lease")) == 2 and actor.metrics.counters["learner_unreachable"] == 1
+    # Idle: the failed call until its deadline, and the wait before the retry (1 s).
+    snap = actor.metrics.snapshot()
+    assert snap["idle/lease_wait_s"] >= 0.1 and snap["idle/learner_wait_s"] >= 1.0
+    assert snap["idle/total_s"] >= 1.1
 
 
 @pytest.mark.parametrize("code,expected", [

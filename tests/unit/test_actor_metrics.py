@@ -18,11 +18,15 @@ def test_snapshot_sums_stages_and_counts():
     m.add_time("generate", 0.5)
     m.add_time("fetch_weights", 0.25)
     m.add_time("load_weights", 0.5)
+    m.add_time("weight_wait", 1.0)  # e.g. for a pushed version
     m.add_time("lease_wait", 2.0)
+    m.add_time("learner_wait", 4.0)
+    m.add_time("push", 8.0)  # busy, not idle
     s = m.snapshot()
     assert s["actor/tokens_generated"] == 300 and s["time/generate_s"] == 2.0
     assert s["actor/generate_tokens_per_s"] == 150.0
-    assert s["idle/lease_wait_s"] == 2.0 and s["idle/weight_wait_s"] == 0.75
+    assert s["idle/lease_wait_s"] == 2.0 and s["idle/weight_wait_s"] == 1.75 and s["idle/learner_wait_s"] == 4.0
+    assert s["idle/total_s"] == 7.75  # what heartbeats report as idle_ms
     assert s["actor/weight_load_s_last"] == 0.5
     assert 0 < s["actor/tokens_per_s"] and s["actor/groups_per_s"] == pytest.approx(3 / s["actor/wall_s"], rel=0.5)
     with pytest.raises(AssertionError):
