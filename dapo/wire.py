@@ -196,6 +196,31 @@ def decode_group(frames: Sequence[Any], *, auth_token: str, max_message_bytes: i
     return g
 
 
+@dataclass(frozen=True)
+class LeaseRef:
+    """The lease an authenticated message names, read from its header alone."""
+
+    run_id: str
+    actor_id: int
+    lease_id: int
+    prompt_id: int
+
+
+def named_lease(frames: Sequence[Any], *, auth_token: str) -> LeaseRef | None:
+    """The lease a message names, or None: for a message that failed ``decode_group`` after its
+    header authenticated, so the replay queue can end its lease at once (its prompt re-issued)
+    instead of leaving it to ``transport.lease_timeout_s``. Unauthenticated messages name nothing."""
+    try:
+        header = _unpack_header(memoryview(frames[0]).cast("B"))
+        token = header.get("token")
+        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), auth_token.encode()):
+            return None
+        return LeaseRef(_str(header["run_id"], "run_id"), _int(header["actor_id"], "actor_id"),
+                        _int(header["lease_id"], "lease_id"), _int(header["prompt_id"], "prompt_id"))
+    except (WireError, KeyError, IndexError, TypeError, ValueError):
+        return None
+
+
 def _unpack_header(view: memoryview) -> dict:
     n = view.nbytes
     try:

@@ -16,7 +16,8 @@
 Every message is counted exactly once: accepted, filtered by dynamic sampling, or dropped with a
 reason (a ``WireError`` reason, ``wrong_run``, ``lease_not_active``, ``lease_mismatch``,
 ``future_version``, ``internal_error``, or one of ``GROUP_REJECTIONS``: the group does not fit the
-run, so its lease ends and its prompt is re-issued). The exception: a frame larger than
+run, so its lease ends and its prompt is re-issued; so does an authenticated message that fails to
+decode but names its lease: ``malformed``). The exception: a frame larger than
 ``max_message_bytes`` never reaches us (libzmq's MAXMSGSIZE drops the sender's connection), and
 that actor's lease times out.
 
@@ -39,11 +40,12 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import zmq
 
 from dapo.algorithm import DynamicSamplingFilter, DynamicSamplingStalled, FilterStats
 from dapo.config import DapoConfig
-from dapo.wire import NUM_FRAMES, TrajectoryGroup, WireError, decode_group
+from dapo.wire import NUM_FRAMES, LeaseRef, TrajectoryGroup, WireError, decode_group, named_lease
 from learner.coordinator import Coordinator
 
 log = logging.getLogger(__name__)
@@ -52,8 +54,9 @@ RECEIVER_POLL_S = 0.05
 """How often the receiver thread checks for stop while idle, in seconds."""
 RECEIVE_BURST = 64
 """Messages handled per poll before checking for stop and buffer space again."""
-GROUP_REJECTIONS = ("group_size", "response_too_long", "token_out_of_vocab", "prompt_mismatch")
-"""Drop reasons of groups that decode but do not fit the run; their prompts are re-issued."""
+GROUP_REJECTIONS = ("group_size", "response_too_long", "token_out_of_vocab", "prompt_mismatch", "malformed")
+"""Reasons a lease ends with its group rejected and its prompt re-issued at once: the group decodes
+but does not fit the run, or (``malformed``) an authenticated message naming the lease fails to decode."""
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,13 @@ class ReplayBuffer:
                     self._cond.notify_all()
         self.count("accepted" if keep else "filtered")
         return "" if keep else "filtered"
+
+    def reject_malformed(self, lease: LeaseRef | None, detail: str) -> None:
+        """A message that failed to decode named ``lease`` (None: it named none we can trust): the
+        lease ends now and its prompt is re-issued (if the lease is still this actor's, active, of this run)."""
+        if lease is not None and lease.run_id == self.coordinator.run_id:
+            self.coordinator.complete_lease(lease.lease_id, lease.actor_id, lease.prompt_id, np.empty(0, np.int32),
+                                            "malformed", detail[:300])
 
     def take_batch(self, timeout_s: float) -> list[TrajectoryGroup]:
         """N groups no older than k versions at the coordinator's current version; raises
@@ -343,7 +353,10 @@ class ReplayQueue:
                                    max_message_bytes=self.transport.max_message_bytes))
         except WireError as exc:
             buf.count(f"dropped/{exc.reason}")
-        except Exception:  # a bug must not stop ingestion: count, log, go on
+            buf.reject_malformed(named_lease(frames, auth_token=self.transport.auth_token), str(exc))
+        except Exception as exc:  # a bug must not stop ingestion: count, log, go on
             log.exception("replay queue: internal error while ingesting a message")
             buf.count("dropped/internal_error")
+            buf.reject_malformed(named_lease(frames, auth_token=self.transport.auth_token),
+                                 f"internal error: {type(exc).__name__}: {exc}")
 

@@ -154,3 +154,37 @@ def test_unkeep_needs_a_pending_group() -> None:
     assert filt.offer([1.0, 0.0]) and filt.offer([0.0, 1.0])
     filt.unkeep()
     assert (filt.pending_groups, filt.batch_full, filt.kept_groups) == (1, False, 2)  # lifetime: decisions
+
+
+def _queue(coord):
+    from dapo.config import load_config
+    from learner.replay import ReplayQueue
+
+    cfg = load_config(["algorithm.num_samples_per_prompt=2", "actor.max_response_tokens=8",
+                       "algorithm.dynamic_sampling=false"])
+    queue = ReplayQueue(cfg, coord, vocab_size=1024)  # not started: _ingest is fed frames directly
+    return queue, cfg.transport.auth_token
+
+
+@pytest.mark.parametrize("token_ok", [True, False], ids=["authenticated", "wrong_token"])
+def test_a_message_that_fails_to_decode_ends_the_lease_it_names_only_when_authenticated(token_ok) -> None:
+    from dapo.wire import encode_group
+
+    coord = make(N=2, k=0)
+    queue, token = _queue(coord)
+    actor, other = coord.register("a"), coord.register("b")
+    grant = coord.lease(actor, 1, 0).leases[0]
+    frames = encode_group(make_group(coord, grant, actor, 0), token if token_ok else "not-the-token")
+    frames = [memoryview(f) for f in frames]  # as the receiver holds them
+    frames[2] = frames[2][:-4]  # response_ids one token short: frame_size, not one of the validated reasons
+    queue._ingest(frames)
+    counts = queue.buffer.snapshot()
+    if token_ok:
+        assert counts["dropped/frame_size"] == 1
+        assert coord.counters()["groups_rejected/malformed"] == 1
+        # Re-issued now, not after transport.lease_timeout_s: the next actor gets the same prompt.
+        assert [g.prompt_id for g in coord.lease(other, 1, 0).leases] == [grant.prompt_id]
+        assert coord.heartbeat(actor, 0)[2:] == (1, "malformed")
+    else:
+        assert counts["dropped/auth"] == 1 and "groups_rejected/malformed" not in coord.counters()
+        assert [g.prompt_id for g in coord.lease(other, 1, 0).leases] != [grant.prompt_id]  # still the actor's
