@@ -106,6 +106,17 @@ class Learner:
                 assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()[-3000:]
                 time.sleep(0.2)
 
+    def wait_for_held_leases(self, n: int, timeout_s: float = 120) -> int:
+        """Until the learner's actors hold ``n`` active leases; how many they hold."""
+        from actors.client import CoordinatorClient
+
+        with CoordinatorClient(self.grpc, TOKEN, 5.0) as client:
+            deadline = time.monotonic() + timeout_s
+            while (held := sum(a.active_leases for a in client.status().actors)) < n:
+                assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()[-3000:]
+                time.sleep(0.2)
+        return held
+
     def metrics(self) -> list[dict]:
         from dapo.plots import read_metrics
 
@@ -203,8 +214,14 @@ def test_two_rank_learner_trains_publishes_on_both_paths_and_exports(tmp_path, r
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_kill9_then_resume_same_step_no_prompt_lost_or_trained_twice_then_sigterm(tmp_path, random_tiny_model):
-    common = ("learner.checkpoint_every_steps=2", "learner.eval_every_steps=0")
+    # One prompt a lease (the learner sets it for every actor): the holder below takes one slot only.
+    common = ("learner.checkpoint_every_steps=2", "learner.eval_every_steps=0", "actor.prompts_per_lease=1")
     first = Learner(tmp_path, random_tiny_model, "learner.total_steps=50", *common, name="first")
+    # A holder leases prompts and never finishes them (its generation waits for a file no one
+    # writes): every checkpoint has an active lease, so one that forgot it loses its prompt (a held
+    # lease takes one of the (v + k + 1) x N staleness slots for good).
+    holder = first.actor(tmp_path, "holder", "--hold-file", str(tmp_path / "never"))
+    held = first.wait_for_held_leases(1)
     actor = first.actor(tmp_path, "a1")
     try:
         deadline = time.monotonic() + 200
@@ -215,12 +232,17 @@ def test_kill9_then_resume_same_step_no_prompt_lost_or_trained_twice_then_sigter
     finally:
         kill_tree(first.proc)
         kill_tree(actor)
+        kill_tree(holder)
     from learner.checkpoint import latest_checkpoint
 
     ckpt = latest_checkpoint(first.run_dir)
     ckpt_state = json.loads((ckpt / "run_state.json").read_text())
     k = ckpt_state["step"]
     assert k >= 2 and ckpt.name == f"step_{k}"
+    run1_trained = {p for r in _lines(first.run_dir / "trained_prompts.jsonl") if r["step"] <= k
+                    for p in r["prompt_ids"]}
+    held_at_ckpt = set(ckpt_state["coordinator"]["pending"]) - run1_trained
+    assert len(held_at_ckpt) >= held  # the holder's prompts are saved as pending, to be re-issued
     before = first.run_dir / "trained_prompts.jsonl"
     run1 = _lines(before)
     assert max(r["step"] for r in run1) >= k  # the audit is written before the checkpoint
