@@ -26,7 +26,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -63,6 +63,27 @@ def _skip_computed_buffers_on_reload(model: torch.nn.Module) -> None:
                              for name in module._non_persistent_buffers_set)
 
 
+def llm_args(model_path: str, *, dtype: str, max_model_len_tokens: int, seed: int, enforce_eager: bool,
+             tensor_parallel_size: int) -> dict[str, Any]:
+    """The keyword arguments of ``vllm.LLM`` (its ``EngineArgs``) for this engine.
+
+    enforce_eager: no torch.compile / CUDA graphs (seconds, not minutes, to start; on CPU the only
+    mode known to work here). On GPU, False trades start-up for faster decoding.
+    skip_tokenizer_init: the engine sees ids only; the actor loop owns the tokenizer.
+    processed_logprobs: log-probs after temperature / top-p, i.e. of what was sampled.
+    async_scheduling off: with it (vLLM's default on GPU; CPU turns it off) ``LLMEngine.step``
+    launches the next batch before it returns the previous one's tokens, so the first step after
+    an in-flight load would return tokens sampled with the old weights, and a batch already queued
+    on the device would still run with them, while _step_until_done tags them with the new
+    version. Per-token versions are what the learner's staleness bound and mu rest on; the price
+    is the host-side gap between steps on GPU.
+    """
+    return dict(model=model_path, dtype=dtype, max_model_len=max_model_len_tokens, enforce_eager=enforce_eager,
+                seed=seed, skip_tokenizer_init=True, logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+                async_scheduling=False, tensor_parallel_size=tensor_parallel_size,
+                distributed_executor_backend="mp" if tensor_parallel_size > 1 else None)
+
+
 class VllmEngine(Engine):
     keeps_kv_across_loads = True
 
@@ -75,20 +96,13 @@ class VllmEngine(Engine):
 
         self._stop_ids = stop_token_ids(model_path)
         self._tied = bool(getattr(AutoConfig.from_pretrained(model_path), "tie_word_embeddings", False))
-        # enforce_eager: no torch.compile / CUDA graphs (seconds, not minutes, to start; on CPU the
-        # only mode known to work here). On GPU, False trades start-up for faster decoding.
-        # skip_tokenizer_init: the engine sees ids only; the actor loop owns the tokenizer.
-        # processed_logprobs: log-probs after temperature / top-p, i.e. of what was sampled.
         # vLLM runs gc.collect() five times while it builds the engine; each one walks every object
         # that importing torch, transformers and vLLM created (millions): ~1.6 s of the ~3 s of CPU
         # the construction takes on the tiny model. Those objects live as long as the process, so
         # move them out of the collector's reach first (CPython's gc.freeze, made for start-up).
         gc.freeze()
-        self._llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len_tokens,
-                        enforce_eager=enforce_eager, seed=seed, skip_tokenizer_init=True,
-                        logprobs_mode="processed_logprobs", enable_prefix_caching=True,
-                        tensor_parallel_size=tensor_parallel_size,
-                        distributed_executor_backend="mp" if tensor_parallel_size > 1 else None)
+        self._llm = LLM(**llm_args(model_path, dtype=dtype, max_model_len_tokens=max_model_len_tokens, seed=seed,
+                                   enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size))
         self._tp = tensor_parallel_size
         self._llm.apply_model(_skip_computed_buffers_on_reload)  # once: the skip list is process-wide
         self._request_ids = itertools.count()
