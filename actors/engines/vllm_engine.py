@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from actors.engines.base import Engine, RawSample, stop_token_ids
+from actors.engines.base import Engine, RawSample, WeightLoadTimeout, stop_token_ids
 
 
 def _drop_records(prefix: str) -> Callable[[logging.LogRecord], bool]:
@@ -89,7 +89,10 @@ class VllmEngine(Engine):
 
     def __init__(self, model_path: str, *, dtype: str = "float32", max_model_len_tokens: int = 512,
                  seed: int = 0, version: int = 0, enforce_eager: bool = True,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, load_timeout_s: float = 60.0) -> None:
+        """``load_timeout_s``: deadline of each weight load into the model worker processes
+        (``tensor_parallel_size`` > 1; at 1 the load runs in this process); the actor passes
+        ``weights.sync_timeout_s``."""
         super().__init__(version)
         from transformers import AutoConfig
         from vllm import LLM
@@ -104,6 +107,7 @@ class VllmEngine(Engine):
         self._llm = LLM(**llm_args(model_path, dtype=dtype, max_model_len_tokens=max_model_len_tokens, seed=seed,
                                    enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size))
         self._tp = tensor_parallel_size
+        self._load_timeout_s = load_timeout_s
         self._llm.apply_model(_skip_computed_buffers_on_reload)  # once: the skip list is process-wide
         self._request_ids = itertools.count()
         self._prefix_cache_stale = False
@@ -163,8 +167,14 @@ class VllmEngine(Engine):
         # Worker processes: CPU tensors cross vLLM's queue as raw bytes (CUDA ones would be pickled
         # by torch and land on the sender's device index).
         items = [(k, v.cpu()) for k, v in weights.items()] if self._tp > 1 else list(weights.items())
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items,
-                                                           "is_checkpoint_format": True})
+        try:
+            self._llm.collective_rpc("reload_weights", timeout=self._load_timeout_s,
+                                     kwargs={"weights_iterator": items, "is_checkpoint_format": True})
+        except TimeoutError as exc:  # vLLM's mp executor: a worker did not answer by the deadline
+            raise WeightLoadTimeout(
+                f"vLLM's {self._tp} model workers did not finish loading {len(items)} tensors within "
+                f"weights.sync_timeout_s = {self._load_timeout_s:g} s (a worker is hung, or this model's "
+                f"loads take longer: then raise weights.sync_timeout_s); the engine is unusable") from exc
         # Cached KV blocks were computed with the old weights; with requests running vLLM keeps
         # their blocks (and cannot reset): _sample resets once they are done.
         if self._llm.llm_engine.has_unfinished_requests():
