@@ -67,12 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from actors.client import AuthError, CoordinatorClient
-    from actors.engines import make_engine, resolve_engine
+    from actors.engines import WeightLoadTimeout, make_engine, resolve_engine
     from actors.loop import Actor
     from actors.metrics import ActorMetrics, serve_prometheus
     from actors.transports.network import NetworkWeightClient
     from actors.verifier import Verifier
-    from dapo.tiny import resolve_model_path
+    from dapo.models import resolve_model_path
 
     model_path = str(resolve_model_path(cfg))
     kind = resolve_engine(cfg.actor.engine, model_path, tensor_parallel_size=cfg.actor.tensor_parallel_size)
@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = make_engine(kind, model_path, dtype=cfg.model.dtype,
                          max_model_len_tokens=cfg.model.max_model_len_tokens, seed=cfg.actor.seed,
                          enforce_eager=cfg.actor.enforce_eager,
-                         tensor_parallel_size=cfg.actor.tensor_parallel_size)
+                         tensor_parallel_size=cfg.actor.tensor_parallel_size,
+                         load_timeout_s=cfg.weights.sync_timeout_s)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     t = cfg.transport
     client = CoordinatorClient(args.learner, t.auth_token, t.rpc_timeout_s, max_message_bytes=t.max_message_bytes,
@@ -96,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     error = None
     try:
         actor.run()
-    except (AuthError, ValueError) as exc:  # wrong token, or a config the learner's run cannot use
-        error = exc
+    except (AuthError, ValueError, WeightLoadTimeout) as exc:
+        error = exc  # a wrong token, a config the learner's run cannot use, or a hung engine worker
     finally:
         for close in (verifier.close, weights.close, client.close, engine.close, stop_prometheus or (lambda: None)):
             close()

@@ -180,7 +180,7 @@ def trl_worker(args: argparse.Namespace) -> None:
     from trl import GRPOTrainer
 
     from dapo.config import load_config
-    from dapo.tiny import resolve_model_path
+    from dapo.models import resolve_model_path
 
     cfg = load_config(["experiment=long_response", f"run.cache_dir={ROOT / '.cache' / 'dapo'}"])
     model_path = str(resolve_model_path(cfg))

@@ -136,7 +136,7 @@ def trl_worker(args: argparse.Namespace) -> None:
     from dapo.config import load_config
     from dapo.data import build_dataset
     from dapo.evaluation import sampled_accuracy
-    from dapo.tiny import resolve_model_path
+    from dapo.models import resolve_model_path
 
     cfg = load_config([f"run.cache_dir={ROOT / '.cache' / 'dapo'}"])
     model_path = str(resolve_model_path(cfg))

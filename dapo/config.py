@@ -379,7 +379,8 @@ class WeightSyncConfig:
     """Bytes per gloo/NCCL broadcast call of the collective."""
     sync_timeout_s: float = 60.0
     """Deadline of each side-channel socket operation and collective broadcast on rank 0 (a dead or
-    stalled actor fails the sync after this), in seconds."""
+    stalled actor fails the sync after this) and, on an actor, of each weight load into vLLM's
+    tensor-parallel worker processes (a hung worker stops the actor after this), in seconds."""
 
     def __post_init__(self) -> None:
         _check(self.backend in WEIGHT_BACKENDS, "weights.backend", self.backend, f"one of {', '.join(WEIGHT_BACKENDS)}")

@@ -240,7 +240,7 @@ def inspect_main(file: str, rows: int, overrides: list[str]) -> None:
     from transformers import AutoTokenizer
 
     from dapo.config import load_config
-    from dapo.tiny import resolve_model_path
+    from dapo.models import resolve_model_path
 
     try:  # a bad override, model path or file (ConfigError is a ValueError): the message says what to fix
         cfg = load_config(overrides)

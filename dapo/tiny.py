@@ -48,8 +48,7 @@ from dapo import task
 log = logging.getLogger(__name__)
 
 BUILTIN_MODEL = "builtin:tiny"
-BUILTIN_LONG_MODEL = "builtin:tiny-long"
-"""The long-task variant (``dapo.tiny_long``), fine-tuned from this one."""
+"""``model.path`` of this model (``dapo.models.resolve_model_path``)."""
 
 RECIPE: dict[str, Any] = {
     "version": 4,
@@ -293,24 +292,3 @@ def build_once(final: Path, write: Callable[[Path], None]) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
-
-
-def resolve_model_path(cfg: Any) -> Path:
-    """The model folder of a ``DapoConfig``: ``builtin:tiny`` -> the cached tiny model (built
-    under ``cfg.run.cache_dir`` with ``cfg.run.seed``), ``builtin:tiny-long`` -> its long-task
-    variant, else ``cfg.model.path`` itself."""
-    path = cfg.model.path
-    if path == BUILTIN_MODEL:
-        return ensure_tiny_model(cfg.run.cache_dir, cfg.run.seed)
-    if path == BUILTIN_LONG_MODEL:
-        from dapo.tiny_long import ensure_long_model
-
-        return ensure_long_model(cfg.run.cache_dir, cfg.run.seed)
-    if path.startswith("builtin:"):
-        raise ValueError(f"model.path {path!r} is not a known built-in model: expected "
-                         f"{BUILTIN_MODEL!r}, {BUILTIN_LONG_MODEL!r} or a local HF model folder.")
-    folder = Path(path).expanduser()
-    if not (folder / "config.json").is_file():
-        raise ValueError(f"model.path {path!r} is not an HF model folder (no config.json there): "
-                         f"pass a local folder saved with save_pretrained, or {BUILTIN_MODEL!r}.")
-    return folder

@@ -1,4 +1,4 @@
-"""``builtin:tiny-long`` (``tiny.BUILTIN_LONG_MODEL``): the embedded tiny model fine-tuned on the
+"""``builtin:tiny-long`` (``BUILTIN_LONG_MODEL``): the embedded tiny model fine-tuned on the
 long built-in task (``dapo.task.chain_solution``: 272-430-token responses), for generation-heavy
 runs (``dapo run experiment=long_response``).
 
@@ -26,6 +26,9 @@ from typing import Any
 from dapo import task, tiny
 
 log = logging.getLogger(__name__)
+
+BUILTIN_LONG_MODEL = "builtin:tiny-long"
+"""``model.path`` of this model (``dapo.models.resolve_model_path``)."""
 
 LONG_RECIPE: dict[str, Any] = {
     "version": 1,

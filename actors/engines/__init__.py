@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from actors.engines.base import Engine, Sample
+from actors.engines.base import Engine, Sample, WeightLoadTimeout
 
 
 # actor.engine=auto: below this many bytes of weight files the torch engine wins (dapo/config.py ActorConfig.engine).
@@ -23,14 +23,15 @@ def resolve_engine(kind: str, model_path: str, *, tensor_parallel_size: int = 1)
 
 
 def make_engine(kind: str, model_path: str, *, dtype: str, max_model_len_tokens: int, seed: int,
-                enforce_eager: bool = True, tensor_parallel_size: int = 1) -> Engine:
-    """Build the engine named by ``actor.engine`` (``vllm`` or ``torch``); ``enforce_eager`` and
-    ``tensor_parallel_size`` are vLLM's."""
+                enforce_eager: bool = True, tensor_parallel_size: int = 1, load_timeout_s: float = 60.0) -> Engine:
+    """Build the engine named by ``actor.engine`` (``vllm`` or ``torch``); ``enforce_eager``,
+    ``tensor_parallel_size`` and ``load_timeout_s`` (a weight load into its worker processes) are vLLM's."""
     if kind == "vllm":
         from actors.engines.vllm_engine import VllmEngine
 
         return VllmEngine(model_path, dtype=dtype, max_model_len_tokens=max_model_len_tokens, seed=seed,
-                          enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size)
+                          enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
+                          load_timeout_s=load_timeout_s)
     if kind == "torch":
         from actors.engines.torch_engine import TorchEngine
 
@@ -38,4 +39,4 @@ def make_engine(kind: str, model_path: str, *, dtype: str, max_model_len_tokens:
     raise ValueError(f"actor.engine = {kind!r} is unknown: expected vllm or torch")
 
 
-__all__ = ["Engine", "Sample", "make_engine", "resolve_engine"]
+__all__ = ["Engine", "Sample", "WeightLoadTimeout", "make_engine", "resolve_engine"]

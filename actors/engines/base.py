@@ -66,6 +66,11 @@ class RawSample:
     (``keeps_kv_across_loads``); None: all tokens carry the version loaded after the call."""
 
 
+class WeightLoadTimeout(TimeoutError):
+    """The engine's model workers did not finish a weight load within its deadline. The engine is
+    unusable afterwards (a worker may still answer the old call): close it and stop."""
+
+
 class Engine(abc.ABC):
     """Generate groups of samples; load new weights in place; report the loaded version."""
 

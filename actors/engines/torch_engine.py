@@ -38,13 +38,18 @@ def nucleus_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> 
 def sample_tokens(logp: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token per row of ``logp`` [B, V] by inverting its CDF with one uniform draw per row: the
     distribution of ``torch.multinomial`` at ~1/14 of its CPU time here (it draws V numbers per row).
-    ``right=True`` never lands on a zero-probability token (outside the nucleus): its CDF step is empty."""
-    cdf = logp.exp().cumsum(-1)
-    u = torch.rand(cdf.shape[0], 1, generator=generator, dtype=cdf.dtype) * cdf[:, -1:]
-    token = torch.searchsorted(cdf, u, right=True).squeeze(1)
-    # u rounded up to the total: the last token with probability > 0 (the CDF's last step).
-    last = cdf.shape[1] - 1 - (logp.flip(-1) > float("-inf")).int().argmax(-1)
-    return torch.minimum(token, last)
+
+    The CDF and the draw are float64 (53-bit uniforms): a float32 CDF's steps near 1 are multiples
+    of 6e-8, so over a 151,936-token vocabulary a token of probability 2e-8 would get an empty step
+    or a 6e-8 one (tail tokens never drawn, or drawn up to 50 % off) while mu (``logp``) reports its
+    true probability. ``exp`` stays float32: each probability to ~1e-7 of itself; only the running
+    sum needs float64. ``right=True`` never lands on a zero-probability token (outside the nucleus):
+    its step is empty. A draw rounded up to the total takes the last non-empty step: the first index
+    where the CDF reaches the total (found by a search; a pass over V would cost as much as the CDF)."""
+    cdf = logp.exp().double().cumsum_(-1)
+    total = cdf[:, -1:].contiguous()
+    u = torch.rand(cdf.shape[0], 1, generator=generator, dtype=cdf.dtype) * total
+    return torch.minimum(torch.searchsorted(cdf, u, right=True), torch.searchsorted(cdf, total)).squeeze(1)
 
 
 class TorchEngine(Engine):

@@ -26,11 +26,11 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
-from actors.engines.base import Engine, RawSample, stop_token_ids
+from actors.engines.base import Engine, RawSample, WeightLoadTimeout, stop_token_ids
 
 
 def _drop_records(prefix: str) -> Callable[[logging.LogRecord], bool]:
@@ -63,33 +63,51 @@ def _skip_computed_buffers_on_reload(model: torch.nn.Module) -> None:
                              for name in module._non_persistent_buffers_set)
 
 
+def llm_args(model_path: str, *, dtype: str, max_model_len_tokens: int, seed: int, enforce_eager: bool,
+             tensor_parallel_size: int) -> dict[str, Any]:
+    """The keyword arguments of ``vllm.LLM`` (its ``EngineArgs``) for this engine.
+
+    enforce_eager: no torch.compile / CUDA graphs (seconds, not minutes, to start; on CPU the only
+    mode known to work here). On GPU, False trades start-up for faster decoding.
+    skip_tokenizer_init: the engine sees ids only; the actor loop owns the tokenizer.
+    processed_logprobs: log-probs after temperature / top-p, i.e. of what was sampled.
+    async_scheduling off: with it (vLLM's default on GPU; CPU turns it off) ``LLMEngine.step``
+    launches the next batch before it returns the previous one's tokens, so the first step after
+    an in-flight load would return tokens sampled with the old weights, and a batch already queued
+    on the device would still run with them, while _step_until_done tags them with the new
+    version. Per-token versions are what the learner's staleness bound and mu rest on; the price
+    is the host-side gap between steps on GPU.
+    """
+    return dict(model=model_path, dtype=dtype, max_model_len=max_model_len_tokens, enforce_eager=enforce_eager,
+                seed=seed, skip_tokenizer_init=True, logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+                async_scheduling=False, tensor_parallel_size=tensor_parallel_size,
+                distributed_executor_backend="mp" if tensor_parallel_size > 1 else None)
+
+
 class VllmEngine(Engine):
     keeps_kv_across_loads = True
 
     def __init__(self, model_path: str, *, dtype: str = "float32", max_model_len_tokens: int = 512,
                  seed: int = 0, version: int = 0, enforce_eager: bool = True,
-                 tensor_parallel_size: int = 1) -> None:
+                 tensor_parallel_size: int = 1, load_timeout_s: float = 60.0) -> None:
+        """``load_timeout_s``: deadline of each weight load into the model worker processes
+        (``tensor_parallel_size`` > 1; at 1 the load runs in this process); the actor passes
+        ``weights.sync_timeout_s``."""
         super().__init__(version)
         from transformers import AutoConfig
         from vllm import LLM
 
         self._stop_ids = stop_token_ids(model_path)
         self._tied = bool(getattr(AutoConfig.from_pretrained(model_path), "tie_word_embeddings", False))
-        # enforce_eager: no torch.compile / CUDA graphs (seconds, not minutes, to start; on CPU the
-        # only mode known to work here). On GPU, False trades start-up for faster decoding.
-        # skip_tokenizer_init: the engine sees ids only; the actor loop owns the tokenizer.
-        # processed_logprobs: log-probs after temperature / top-p, i.e. of what was sampled.
         # vLLM runs gc.collect() five times while it builds the engine; each one walks every object
         # that importing torch, transformers and vLLM created (millions): ~1.6 s of the ~3 s of CPU
         # the construction takes on the tiny model. Those objects live as long as the process, so
         # move them out of the collector's reach first (CPython's gc.freeze, made for start-up).
         gc.freeze()
-        self._llm = LLM(model=model_path, dtype=dtype, max_model_len=max_model_len_tokens,
-                        enforce_eager=enforce_eager, seed=seed, skip_tokenizer_init=True,
-                        logprobs_mode="processed_logprobs", enable_prefix_caching=True,
-                        tensor_parallel_size=tensor_parallel_size,
-                        distributed_executor_backend="mp" if tensor_parallel_size > 1 else None)
+        self._llm = LLM(**llm_args(model_path, dtype=dtype, max_model_len_tokens=max_model_len_tokens, seed=seed,
+                                   enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size))
         self._tp = tensor_parallel_size
+        self._load_timeout_s = load_timeout_s
         self._llm.apply_model(_skip_computed_buffers_on_reload)  # once: the skip list is process-wide
         self._request_ids = itertools.count()
         self._prefix_cache_stale = False
@@ -149,8 +167,14 @@ class VllmEngine(Engine):
         # Worker processes: CPU tensors cross vLLM's queue as raw bytes (CUDA ones would be pickled
         # by torch and land on the sender's device index).
         items = [(k, v.cpu()) for k, v in weights.items()] if self._tp > 1 else list(weights.items())
-        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items,
-                                                           "is_checkpoint_format": True})
+        try:
+            self._llm.collective_rpc("reload_weights", timeout=self._load_timeout_s,
+                                     kwargs={"weights_iterator": items, "is_checkpoint_format": True})
+        except TimeoutError as exc:  # vLLM's mp executor: a worker did not answer by the deadline
+            raise WeightLoadTimeout(
+                f"vLLM's {self._tp} model workers did not finish loading {len(items)} tensors within "
+                f"weights.sync_timeout_s = {self._load_timeout_s:g} s (a worker is hung, or this model's "
+                f"loads take longer: then raise weights.sync_timeout_s); the engine is unusable") from exc
         # Cached KV blocks were computed with the old weights; with requests running vLLM keeps
         # their blocks (and cannot reset): _sample resets once they are done.
         if self._llm.llm_engine.has_unfinished_requests():

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from dapo.config import DapoConfig, load_config, load_resolved, public_bind_error
 from dapo.runtime import service_env
-from dapo.tiny import resolve_model_path
+from dapo.models import resolve_model_path
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 

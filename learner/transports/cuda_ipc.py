@@ -2,7 +2,8 @@
 version straight from the learner's GPU buffer, with no copy through the host or the network.
 
 ```
- actor --TCP (loopback only): hello {token, name}-->  accept thread: token checked, peer kept, {joined}
+ actor --TCP (loopback only): hello {token, name}-->  JoinListener: a thread per connection reads the
+                                                     hello, checks the token, answers {joined}, keeps the peer
  publish(v): to every peer {version, manifest, handle: cuda_ipc_share(buf)}  (protos/transports.py)
  actor: open handle -> copy into its own GPU buffer -> sum64 verify -> ack {version, ok, copy_s, verify_s}
 ```
@@ -19,6 +20,7 @@ import ipaddress
 import socket
 import threading
 import time
+from typing import Callable
 
 import torch
 
@@ -31,25 +33,19 @@ from protos.transports import cuda_ipc_share, recv_json, send_json, set_kernel_t
 NOT_HERE = "cuda_ipc needs learner.device=cuda and an actor on the same host/GPU"
 
 
-class CudaIpcSender:
-    """Push backend for co-located actors; new peers get the latest version on ``catch_up``."""
+class JoinListener:
+    """The loopback control port: accepts actors and admits each on a thread of its own (a silent or
+    slow connection holds only that thread, for at most ``timeout_s``, never the next actor's join):
+    reads its hello, checks the token, answers {joined}, then hands it to ``on_join``. No CUDA here."""
 
-    name = "cuda_ipc"
-
-    def __init__(self, store: VersionStore, options: SenderOptions) -> None:
-        if options.device.type != "cuda" or not torch.cuda.is_available():
-            raise ConfigError(f"weights.backend=cuda_ipc: {NOT_HERE} (this learner runs on {options.device}, "
-                              f"CUDA available: {torch.cuda.is_available()}); use weights.backend=collective "
-                              "or side_channel")
-        self._store, self._token, self.timeout_s = store, options.auth_token.encode(), options.timeout_s
-        self.device = options.device
+    def __init__(self, port: int, token: bytes, timeout_s: float,
+                 on_join: Callable[[socket.socket, str], None]) -> None:
+        self._token, self._timeout_s, self._on_join = token, timeout_s, on_join
         # Loopback only: an IPC handle is of no use off this host, and the port must not be reachable from it.
-        self._sock = socket.create_server(("127.0.0.1", options.collective_port))
+        self._sock = socket.create_server(("127.0.0.1", port))
         self._sock.settimeout(0.5)
         self.endpoint = f"127.0.0.1:{self._sock.getsockname()[1]}"
-        self.peers: list[tuple[socket.socket, str]] = []
-        self._new: list[tuple[socket.socket, str]] = []  # joined since the last push
-        self.counters = {"rejected": 0}
+        self.rejected = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, name="weights-cuda-ipc", daemon=True)
@@ -63,24 +59,65 @@ class CudaIpcSender:
                 continue
             except OSError:
                 return
-            set_kernel_timeouts(conn, self.timeout_s)
-            try:
-                hello = recv_json(conn)
-                ok = ipaddress.ip_address(addr[0]).is_loopback and isinstance(hello.get("token"), str) \
-                    and hmac.compare_digest(hello["token"].encode(), self._token)
-            except (OSError, ValueError, ConnectionError):
-                ok = False
-            if not ok:
-                self.counters["rejected"] += 1
-                conn.close()
-                continue
-            try:  # before it is a peer: a publish must not reach it ahead of this answer
-                send_json(conn, {"joined": True})
-            except OSError:
-                conn.close()
-                continue
-            with self._lock:  # from here on every publish waits for this peer
-                self._new.append((conn, str(hello.get("name", "?"))))
+            threading.Thread(target=self._admit, args=(conn, addr[0]), name="weights-cuda-ipc-hello",
+                             daemon=True).start()
+
+    def _admit(self, conn: socket.socket, host: str) -> None:
+        set_kernel_timeouts(conn, self._timeout_s)
+        try:
+            hello = recv_json(conn)
+            ok = ipaddress.ip_address(host).is_loopback and isinstance(hello.get("token"), str) \
+                and hmac.compare_digest(hello["token"].encode(), self._token)
+        except (OSError, ValueError, ConnectionError):
+            ok = False
+        if not ok:
+            with self._lock:
+                self.rejected += 1
+            conn.close()
+            return
+        try:  # before it is a peer: a publish must not reach it ahead of this answer
+            send_json(conn, {"joined": True})
+        except OSError:
+            conn.close()
+            return
+        self._on_join(conn, str(hello.get("name", "?")))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._sock.close()
+        self._thread.join(timeout=2)
+
+
+class CudaIpcSender:
+    """Push backend for co-located actors; new peers get the latest version on ``catch_up``."""
+
+    name = "cuda_ipc"
+
+    def __init__(self, store: VersionStore, options: SenderOptions) -> None:
+        if options.device.type != "cuda" or not torch.cuda.is_available():
+            raise ConfigError(f"weights.backend=cuda_ipc: {NOT_HERE} (this learner runs on {options.device}, "
+                              f"CUDA available: {torch.cuda.is_available()}); use weights.backend=collective "
+                              "or side_channel")
+        self._store, self.timeout_s = store, options.timeout_s
+        self.device = options.device
+        self.peers: list[tuple[socket.socket, str]] = []
+        self._new: list[tuple[socket.socket, str]] = []  # joined since the last push
+        self._lock = threading.Lock()
+        self._closed = False
+        self._listener = JoinListener(options.collective_port, options.auth_token.encode(), options.timeout_s,
+                                      self._join)
+        self.endpoint = self._listener.endpoint
+
+    @property
+    def counters(self) -> dict[str, int]:
+        return {"rejected": self._listener.rejected}
+
+    def _join(self, conn: socket.socket, name: str) -> None:
+        with self._lock:  # from here on every publish waits for this peer
+            if not self._closed:
+                self._new.append((conn, name))
+                return
+        conn.close()  # admitted while the sender closed
 
     def publish(self, buf: torch.Tensor, manifest: WeightManifest) -> dict[str, float]:
         with self._lock:
@@ -144,7 +181,7 @@ class CudaIpcSender:
             conn.close()
 
     def close(self) -> None:
-        self._stop.set()
-        self._sock.close()
-        self._thread.join(timeout=2)
+        self._listener.close()
+        with self._lock:
+            self._closed = True
         self._drop([c for c, _ in self.peers + self._new])

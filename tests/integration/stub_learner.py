@@ -55,7 +55,7 @@ def main() -> int:
     from transformers import AutoConfig, AutoTokenizer
 
     from dapo.config import load_config
-    from dapo.tiny import resolve_model_path
+    from dapo.models import resolve_model_path
     from learner.coordinator import Coordinator
     from learner.publisher import WeightPublisher
     from learner.transports import SenderOptions

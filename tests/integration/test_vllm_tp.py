@@ -2,7 +2,8 @@
 tensors and each cuts out its shard (vLLM's weight loaders), so TP=2 samples what TP=1 samples.
 
 The reference is transformers, decoding token by token with the weights each token's version names
-(the in-flight phase: prompt KV from the old weights, later tokens from the new ones).
+(the in-flight phase: prompt KV from the old weights, later tokens from the new ones). A load into
+hung workers fails after its deadline (weights.sync_timeout_s) instead of hanging the actor.
 """
 
 from __future__ import annotations
@@ -67,3 +68,17 @@ def test_tp2_loads_shards_and_samples_what_tp1_and_transformers_do(random_tiny_m
             ref = _reference_logprobs(models, prompt, s2)
             assert max(abs(a - b) for a, b in zip(s2["logprobs"], ref)) < 1e-4, (phase, s2["logprobs"], ref)
     assert [s["tokens"] for s in tp2["v0"]] != [s["tokens"] for s in tp2["reloaded"]]
+
+
+@pytest.mark.timeout(400)
+def test_a_load_into_hung_tp_workers_fails_after_its_deadline_and_close_ends_them(random_tiny_model):
+    out = subprocess.run([sys.executable, str(HERE / "vllm_tp_hang.py"), str(random_tiny_model), "3"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=360)
+    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line is not None, out.stdout[-3000:] + out.stderr[-3000:]
+    result = json.loads(line.removeprefix("RESULT "))
+    assert result["raised"].startswith("WeightLoadTimeout: vLLM's 2 model workers did not finish loading"), result
+    assert "weights.sync_timeout_s = 3 s" in result["raised"], result
+    assert 3 <= result["load_s"] < 20, result  # the deadline, not the worker's hour-long hang
+    assert result["workers"] == 2 and result["alive"] == [] and result["close_s"] < 60, result  # close ended them
+    assert result["version"] == 0, result  # the failed load did not become version 1

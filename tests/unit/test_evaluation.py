@@ -7,7 +7,7 @@ from dapo.config import load_config
 from dapo.data import build_dataset
 from dapo.evaluation import sampled_accuracy
 from dapo.rewards import score
-from dapo.tiny import resolve_model_path
+from dapo.models import resolve_model_path
 
 
 @pytest.fixture(scope="module")

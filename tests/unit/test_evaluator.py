@@ -19,7 +19,7 @@ from learner.evaluate import EvaluationFailed, Evaluator
 def setup():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dapo.tiny import resolve_model_path
+    from dapo.models import resolve_model_path
 
     cfg = load_config(["learner.seed=3"])
     path = resolve_model_path(cfg)

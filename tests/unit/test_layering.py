@@ -13,6 +13,8 @@
   the auth metadata key is spelled only in protos/__init__.py, the staleness bound k is
   stored only by learner/admission.py, and kernel socket deadlines (SO_RCVTIMEO/SO_SNDTIMEO) are
   set only by protos/transports.py (both ends of the weight side channel use it).
+- No import cycles among the modules of ``dapo``: a module imports only modules below it. An import
+  inside a function counts too (deferring it hides the circle from Python, not from a reader).
 """
 
 import ast
@@ -149,9 +151,69 @@ def pickle_violations(source: str, path: str) -> list[str]:
     return out
 
 
+def module_name(path: str) -> str:
+    """``dapo/launch/__init__.py`` -> ``dapo.launch``; ``dapo/tiny.py`` -> ``dapo.tiny``."""
+    parts = path.removesuffix(".py").split("/")
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_cycles(files: dict[str, str]) -> list[str]:
+    """One line per import that closes a circle among ``files`` (path -> source): each strongly
+    connected component of the import graph (Tarjan) with more than one module, with its imports."""
+    modules = {module_name(path): path for path in files}
+    edges = {m: sorted({(mod, line) for line, mod in imported_modules(ast.parse(files[p], filename=p), p)
+                        if mod in modules and mod != m}) for m, p in modules.items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components = []
+
+    def visit(m: str) -> None:
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        for dep, _ in edges[m]:
+            if dep not in index:
+                visit(dep)
+                low[m] = min(low[m], low[dep])
+            elif dep in stack:
+                low[m] = min(low[m], index[dep])
+        if low[m] == index[m]:
+            component = []
+            while not component or component[-1] != m:
+                component.append(stack.pop())
+            if len(component) > 1:
+                components.append(set(component))
+
+    for m in sorted(modules):
+        if m not in index:
+            visit(m)
+    return [f"{modules[m]}:{line} imports {dep} (a circle: {' <-> '.join(sorted(c))})"
+            for c in components for m in sorted(c) for dep, line in edges[m] if dep in c]
+
+
 def test_dependency_rule():
     problems = [v for p in sources() for v in layering_violations(p.read_text(), rel(p))]
     assert not problems, "\n".join(problems)
+
+
+def test_no_import_cycles_in_dapo():
+    files = {rel(p): p.read_text() for p in sources() if rel(p).startswith("dapo/")}
+    problems = import_cycles(files)
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("files,cycle", [
+    ({"dapo/a.py": "from dapo import b", "dapo/b.py": "def f():\n    import dapo.a"}, {"dapo.a", "dapo.b"}),
+    ({"dapo/a.py": "from dapo.b import x", "dapo/b.py": "from .c import y", "dapo/c.py": "import dapo.a",
+      "dapo/d.py": "import dapo.a"}, {"dapo.a", "dapo.b", "dapo.c"}),
+    ({"dapo/launch/__init__.py": "from dapo import tiny", "dapo/tiny.py": "from dapo.launch import spawn"},
+     {"dapo.launch", "dapo.tiny"}),
+    ({"dapo/a.py": "from dapo import b", "dapo/b.py": "import os\nfrom dapo import c", "dapo/c.py": ""}, set()),
+])
+def test_import_cycle_checker(files, cycle):
+    found = import_cycles(files)
+    assert {m for line in found for m in line.split("(a circle: ")[1].rstrip(")").split(" <-> ")} == cycle, found
+    assert len(found) == (len(cycle) if cycle else 0), found  # one import per module of the circle here
 
 
 def test_one_home_per_concern():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dapo import data, task, tiny
+from dapo import data, models, task, tiny
 from dapo.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,7 +61,7 @@ def test_misspelt_builtin_names_are_refused_with_the_valid_ones():
     with pytest.raises(ValueError, match="builtin:long"):
         data.rows_for("builtin:lnog", "train", cfg)
     with pytest.raises(ValueError, match="builtin:tiny-long"):
-        tiny.resolve_model_path(load_config(["model.path=builtin:tiny-lnog"]))
+        models.resolve_model_path(load_config(["model.path=builtin:tiny-lnog"]))
 
 
 @pytest.mark.slow
@@ -75,7 +75,7 @@ def test_long_model_writes_256_to_450_token_responses_on_the_torch_engine():
     if not (CACHE_DIR / f"tiny-long-{long_recipe_hash(cfg.run.seed)}-seed{cfg.run.seed}").is_dir():
         # Building it is ~4 min of CPU: too long for CI's budget on a fresh clone.
         pytest.skip("builtin:tiny-long is not built here; `dapo run experiment=long_response` builds it")
-    path = str(tiny.resolve_model_path(cfg))
+    path = str(models.resolve_model_path(cfg))
     tok = AutoTokenizer.from_pretrained(path)
     rows = data.rows_for(cfg.data.eval_path, "eval", cfg)[:4]
     texts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dapo import task, tiny
+from dapo import models, task, tiny
 from dapo.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,11 +72,11 @@ def test_ensure_keeps_the_folder_another_builder_finished_first(tmp_path, quick_
 def test_resolve_model_path(tmp_path):
     cfg = load_config([f"model.path={tmp_path}"])
     with pytest.raises(ValueError, match="no config.json"):
-        tiny.resolve_model_path(cfg)
+        models.resolve_model_path(cfg)
     (tmp_path / "config.json").write_text("{}")
-    assert tiny.resolve_model_path(cfg) == tmp_path
+    assert models.resolve_model_path(cfg) == tmp_path
     with pytest.raises(ValueError, match="not a known built-in model"):
-        tiny.resolve_model_path(load_config(["model.path=builtin:huge"]))
+        models.resolve_model_path(load_config(["model.path=builtin:huge"]))
 
 
 # ------------------------------------------------------------------ the real (default) build

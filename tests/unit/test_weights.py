@@ -562,6 +562,51 @@ def test_every_backend_raises_a_clear_timeout_error_on_a_dead_peer(backend):
         assert time.monotonic() - t0 < timeout_s + 5  # bounded by the receiver's deadline, not hung
 
 
+def test_cuda_ipc_join_port_admits_an_actor_while_another_connection_stays_silent():
+    """The cuda_ipc sender's join port (its CUDA-free part): a connection that never sends its hello
+    holds only its own admission, for the hello deadline; an actor connecting after it joins at
+    once (it used to wait in the accept loop behind the silent one for the whole deadline)."""
+    import queue
+
+    from learner.transports.cuda_ipc import JoinListener
+    from protos.transports import recv_json, send_json, set_kernel_timeouts
+
+    joined: queue.Queue = queue.Queue()
+    listener = JoinListener(0, TOKEN.encode(), timeout_s=60.0, on_join=lambda conn, name: joined.put((conn, name)))
+    host, _, port = listener.endpoint.rpartition(":")
+    silent = socket.create_connection((host, int(port)), timeout=5)  # accepted first: the backlog is FIFO
+    actor, wrong = (socket.create_connection((host, int(port)), timeout=5) for _ in range(2))
+    try:
+        for sock in (actor, wrong):
+            set_kernel_timeouts(sock, 5.0)  # well inside the silent connection's 60 s
+        send_json(actor, {"token": TOKEN, "name": "second"})
+        assert recv_json(actor) == {"joined": True}
+        conn, name = joined.get(timeout=5)
+        assert name == "second"
+        conn.close()
+        send_json(wrong, {"token": "not-" + TOKEN, "name": "third"})
+        with pytest.raises(ConnectionError):
+            recv_json(wrong)  # refused: closed without an answer
+        assert listener.rejected == 1 and joined.empty()  # the silent one is still within its deadline
+    finally:
+        listener.close()
+        for sock in (silent, actor, wrong):
+            sock.close()
+
+
+def test_cuda_ipc_join_port_drops_a_silent_connection_after_the_hello_deadline():
+    from learner.transports.cuda_ipc import JoinListener
+
+    listener = JoinListener(0, TOKEN.encode(), timeout_s=0.3, on_join=lambda conn, name: conn.close())
+    host, _, port = listener.endpoint.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=10) as silent:
+            assert silent.recv(1) == b""  # the learner closed it (a hung peer would time this recv out)
+        assert listener.rejected == 1
+    finally:
+        listener.close()
+
+
 def test_cuda_ipc_control_messages_are_bounded_typed_json_with_deadlines():
     """The framing and handle checks of the cuda_ipc control connection (the CUDA part: gpu_check)."""
     import struct

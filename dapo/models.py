@@ -1,0 +1,33 @@
+"""``model.path`` -> a model folder: a built-in model by its name (built once under
+``run.cache_dir``), else a local HF folder.
+
+Above both builders: ``dapo.tiny_long`` fine-tunes the model of ``dapo.tiny``, and neither knows
+the other's name here (the layering test refuses import circles in ``dapo``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dapo.tiny import BUILTIN_MODEL, ensure_tiny_model
+from dapo.tiny_long import BUILTIN_LONG_MODEL, ensure_long_model
+
+
+def resolve_model_path(cfg: Any) -> Path:
+    """The model folder of a ``DapoConfig``: ``builtin:tiny`` -> the cached tiny model (built
+    under ``cfg.run.cache_dir`` with ``cfg.run.seed``), ``builtin:tiny-long`` -> its long-task
+    variant, else ``cfg.model.path`` itself."""
+    path = cfg.model.path
+    if path == BUILTIN_MODEL:
+        return ensure_tiny_model(cfg.run.cache_dir, cfg.run.seed)
+    if path == BUILTIN_LONG_MODEL:
+        return ensure_long_model(cfg.run.cache_dir, cfg.run.seed)
+    if path.startswith("builtin:"):
+        raise ValueError(f"model.path {path!r} is not a known built-in model: expected "
+                         f"{BUILTIN_MODEL!r}, {BUILTIN_LONG_MODEL!r} or a local HF model folder.")
+    folder = Path(path).expanduser()
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"model.path {path!r} is not an HF model folder (no config.json there): "
+                         f"pass a local folder saved with save_pretrained, or {BUILTIN_MODEL!r}.")
+    return folder
