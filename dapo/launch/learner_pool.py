@@ -4,14 +4,27 @@ as a child; each rank runs ``learner.main --config`` that file. torchrun's own m
 through unchanged. SIGTERM/SIGINT are forwarded to the ranks (graceful stop with a final checkpoint,
 exit 0); a second one kills the ranks and torchrun at once. A bind beyond loopback with the default
 auth token is refused here, before anything starts.
+
+Multi-node (``--rdzv-endpoint`` or ``--master-addr`` given): gloo, left to itself, binds its full mesh
+to the address this host's name resolves to, on many machines a loopback one (``127.0.1.1 host`` in
+/etc/hosts), so the other nodes' ranks are told to connect to 127.x and fail ("Gloo connectFullMesh
+failed ... remote=[127.0.0.1]"). So the ranks get ``GLOO_SOCKET_IFNAME`` = the interface of this
+node's route to the rendezvous host: the one holding the source address the kernel picks for it
+(on the rendezvous host itself, the interface holding the endpoint's address). A
+``GLOO_SOCKET_IFNAME`` already in the environment wins (collectives on another network). NCCL picks
+its own interfaces (``NCCL_SOCKET_IFNAME``) and is left alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
+import os
 import signal
+import socket
 import subprocess
 import sys
+from typing import Mapping
 
 from dapo.config import DapoConfig, save_resolved
 from dapo.launch import die_with_parent, kill_tree, latest_checkpoint, resolve_config, spawn
@@ -32,7 +45,9 @@ Examples:
   dapo learner --config runs/a/config.resolved.json  # an earlier run's resolved config, no overrides
 Multi-node (torchrun's flags, given before the overrides):
   dapo learner --nnodes=2 --node-rank=0 --rdzv-endpoint=HOST:29400 --rdzv-id=run1 learner.num_ranks=8
-  (learner.num_ranks is the ranks per node; only global rank 0 serves actors.)
+  (learner.num_ranks is the ranks per node; only global rank 0 serves actors.) Each node's ranks run
+  their collectives (gloo) over the interface of its route to the rendezvous host; set
+  GLOO_SOCKET_IFNAME=IFACE to use another.
 
 Stopping: Ctrl-C / SIGTERM stops at the next batch boundary: the final checkpoint is written, the
 actors are told to leave (they return their leases), and the learner exits 0 with one line saying
@@ -101,7 +116,10 @@ def main() -> None:
     if received:
         print(f"dapo learner: stopped ({signal.Signals(received[0]).name}) before starting anything", flush=True)
         raise SystemExit(128 + received[0] if shell_exit_codes else 0)
-    rc = run_torchrun(torchrun_command(cfg, torchrun), received, cfg.run.run_dir)
+    env, note = collective_env(torchrun, os.environ)
+    if note:
+        print(f"dapo learner: {note}", flush=True)
+    rc = run_torchrun(torchrun_command(cfg, torchrun), received, cfg.run.run_dir, env)
     raise SystemExit(128 + received[0] if received and rc == 0 and shell_exit_codes else rc)
 
 
@@ -116,7 +134,77 @@ def torchrun_command(cfg: DapoConfig, torchrun: list[str]) -> list[str]:
             "-m", "learner.main", "--config", str(save_resolved(cfg))]
 
 
-def run_torchrun(cmd: list[str], received: list[int], run_dir: str) -> int:
+def flag_value(torchrun: list[str], flag: str) -> str | None:
+    """The value of torchrun flag ``flag`` (``--flag=V`` or ``--flag V``, '_' for '-'), or None."""
+    for i, arg in enumerate(torchrun):
+        name, sep, value = arg.partition("=")
+        if name.replace("_", "-") == flag:
+            return value if sep else torchrun[i + 1]
+    return None
+
+
+def endpoint_host(endpoint: str) -> str:
+    """HOST of ``HOST``, ``HOST:PORT`` or ``[IPV6]:PORT`` (torchrun's endpoint forms)."""
+    if endpoint.startswith("["):
+        return endpoint[1:endpoint.index("]")]
+    return endpoint.rsplit(":", 1)[0] if endpoint.count(":") == 1 else endpoint
+
+
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
+
+
+def collective_env(torchrun: list[str], environ: Mapping[str, str]) -> tuple[dict[str, str], str]:
+    """(environment for the ranks, a line for the user or '') on a multi-node pool: GLOO_SOCKET_IFNAME
+    = this node's interface towards the rendezvous host (module docstring); nothing on one node or
+    when ``environ`` sets it already."""
+    endpoint = flag_value(torchrun, "--rdzv-endpoint") or flag_value(torchrun, "--master-addr")
+    if not endpoint or environ.get(GLOO_IFNAME_ENV):
+        return {}, ""
+    host = endpoint_host(endpoint)
+    try:
+        address = source_address_towards(host)
+    except OSError as exc:
+        return {}, (f"no route to the rendezvous host {host} found ({exc}); gloo picks an interface from this "
+                    f"host's name (set {GLOO_IFNAME_ENV}=IFACE to choose one)")
+    ifname = interface_of(address)
+    if ifname is None:
+        return {}, (f"no interface holds {address}, this node's address towards the rendezvous host {host}; gloo "
+                    f"picks one from this host's name (set {GLOO_IFNAME_ENV}=IFACE to choose one)")
+    note = (f"the ranks' collectives (gloo) use interface {ifname} ({address}, this node's route to the "
+            f"rendezvous host {host}; {GLOO_IFNAME_ENV} chooses another)")
+    return {GLOO_IFNAME_ENV: ifname}, note
+
+
+def source_address_towards(host: str) -> str:
+    """This machine's source address for packets to ``host`` (OSError when unresolvable or
+    unroutable). A UDP connect sends nothing: the kernel only picks the route and its address."""
+    error: OSError = OSError(f"{host} resolves to no address")
+    for family, _, _, _, sockaddr in socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM):
+        with socket.socket(family, socket.SOCK_DGRAM) as sock:
+            try:
+                sock.connect(sockaddr)
+            except OSError as exc:
+                error = exc
+                continue
+            return sock.getsockname()[0]
+    raise error
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the network interface that holds ``address``, or None."""
+    import psutil
+
+    def ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+        return ipaddress.ip_address(text.split("%")[0])  # an IPv6 link-local address may carry %scope
+
+    wanted = ip(address)
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family in (socket.AF_INET, socket.AF_INET6) and ip(a.address) == wanted for a in addrs):
+            return name
+    return None
+
+
+def run_torchrun(cmd: list[str], received: list[int], run_dir: str, env: dict[str, str] | None = None) -> int:
     """Run torchrun as a child; a SIGTERM/SIGINT (appended to ``received`` by main's handler) goes
     to the ranks themselves, a second one kills everything at once (exit 1).
 
@@ -133,7 +221,7 @@ def run_torchrun(cmd: list[str], received: list[int], run_dir: str) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):  # ignored dispositions survive exec
             signal.signal(sig, signal.SIG_IGN)
 
-    proc = spawn(cmd, preexec)
+    proc = spawn(cmd, preexec, env)
     signalled: set[int] = set()
     while True:
         try:

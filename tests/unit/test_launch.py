@@ -121,6 +121,22 @@ def test_dapo_learner_splits_torchrun_flags_overrides_and_its_config_file():
         split(["--config", "a.json", "learner.total_steps=3"])
 
 
+def test_a_multi_node_pool_runs_gloo_over_the_interface_of_its_route_to_the_rendezvous_host():
+    """GLOO_SOCKET_IFNAME for the ranks (tests/integration/test_multihost.py: across namespaces);
+    loopback here: its interface is ``lo``."""
+    env = learner_pool.collective_env
+    for flags in (["--nnodes=2", "--rdzv-endpoint=127.0.0.1:29400"], ["--rdzv_endpoint", "localhost"],
+                  ["--nnodes", "2", "--master_addr", "127.0.0.1"]):
+        ranks_env, note = env(flags, {})
+        assert ranks_env == {"GLOO_SOCKET_IFNAME": "lo"}, flags
+        assert note.startswith("the ranks' collectives (gloo) use interface lo (127.0.0.1, this node's route to the "
+                               "rendezvous host "), note
+    assert env(["--nnodes=2", "--rdzv-endpoint=127.0.0.1:29400"], {"GLOO_SOCKET_IFNAME": "eth7"}) == ({}, "")
+    assert env([], {}) == ({}, "") and env(["--nnodes=1"], {}) == ({}, "")  # one node: loopback works
+    assert [learner_pool.endpoint_host(e) for e in ("h:29400", "h", "[fd00::1]:29400", "fd00::1", "10.0.0.1:5")] == \
+        ["h", "h", "fd00::1", "fd00::1", "10.0.0.1"]
+
+
 @pytest.mark.parametrize("override, says", [
     ("algorithm.eps_low=abc", "dapo run: invalid config override"),
     ("transport.host=0.0.0.0", "dapo run: transport.host=0.0.0.0 accepts connections from other machines")])
