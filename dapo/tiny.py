@@ -275,10 +275,11 @@ def ensure_tiny_model(cache_dir: str | Path, seed: int = 0, *, progress: bool = 
     return build_once(final, lambda tmp: _write_folder(tmp, seed, progress))
 
 
-def build_once(final: Path, write: Callable[[Path], None]) -> Path:
-    """``final``, unless it is complete already: written by ``write(folder)`` into a temporary folder
-    beside it and renamed into place: concurrent builders leave one complete copy, never a partial one."""
-    if (final / "dapo_tiny.json").is_file():
+def build_once(final: Path, write: Callable[[Path], None], marker: str = "dapo_tiny.json") -> Path:
+    """``final``, unless it is complete already (it holds ``marker``, the file ``write`` writes last):
+    written by ``write(folder)`` into a temporary folder beside it and renamed into place: concurrent
+    builders leave one complete copy, never a partial one."""
+    if (final / marker).is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-build-", dir=final.parent))
@@ -288,7 +289,7 @@ def build_once(final: Path, write: Callable[[Path], None]) -> Path:
             os.rename(tmp, final)
         except OSError:
             # Another process finished the same build first: its folder is identical, keep it.
-            if not (final / "dapo_tiny.json").is_file():
+            if not (final / marker).is_file():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -298,7 +299,10 @@ def build_once(final: Path, write: Callable[[Path], None]) -> Path:
 def resolve_model_path(cfg: Any) -> Path:
     """The model folder of a ``DapoConfig``: ``builtin:tiny`` -> the cached tiny model (built
     under ``cfg.run.cache_dir`` with ``cfg.run.seed``), ``builtin:tiny-long`` -> its long-task
-    variant, else ``cfg.model.path`` itself."""
+    variant, a fetched built-in (``dapo.gguf_import.BUILTIN_GGUF``) -> its folder in the cache, else
+    ``cfg.model.path`` itself. Fetching is ``dapo.launch.fetch.resolve_model_path``'s (it needs pip)."""
+    from dapo import gguf_import
+
     path = cfg.model.path
     if path == BUILTIN_MODEL:
         return ensure_tiny_model(cfg.run.cache_dir, cfg.run.seed)
@@ -306,9 +310,15 @@ def resolve_model_path(cfg: Any) -> Path:
         from dapo.tiny_long import ensure_long_model
 
         return ensure_long_model(cfg.run.cache_dir, cfg.run.seed)
+    if path in gguf_import.BUILTIN_GGUF:
+        if (folder := gguf_import.cached_builtin(cfg.run.cache_dir, path)) is None:
+            raise ValueError(f"model.path {path!r} is not fetched into run.cache_dir={cfg.run.cache_dir} yet: "
+                             f"`dapo run`, `dapo learner` and `dapo eval` fetch it on first use; or run "
+                             f"`dapo model fetch {path} run.cache_dir={cfg.run.cache_dir}`.")
+        return folder
     if path.startswith("builtin:"):
-        raise ValueError(f"model.path {path!r} is not a known built-in model: expected "
-                         f"{BUILTIN_MODEL!r}, {BUILTIN_LONG_MODEL!r} or a local HF model folder.")
+        known = ", ".join(repr(n) for n in (BUILTIN_MODEL, BUILTIN_LONG_MODEL, *gguf_import.BUILTIN_GGUF))
+        raise ValueError(f"model.path {path!r} is not a known built-in model: expected {known} or a local HF model folder.")
     folder = Path(path).expanduser()
     if not (folder / "config.json").is_file():
         raise ValueError(f"model.path {path!r} is not an HF model folder (no config.json there): "
