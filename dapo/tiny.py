@@ -274,10 +274,11 @@ def ensure_tiny_model(cache_dir: str | Path, seed: int = 0, *, progress: bool = 
     return build_once(final, lambda tmp: _write_folder(tmp, seed, progress))
 
 
-def build_once(final: Path, write: Callable[[Path], None]) -> Path:
-    """``final``, unless it is complete already: written by ``write(folder)`` into a temporary folder
-    beside it and renamed into place: concurrent builders leave one complete copy, never a partial one."""
-    if (final / "dapo_tiny.json").is_file():
+def build_once(final: Path, write: Callable[[Path], None], marker: str = "dapo_tiny.json") -> Path:
+    """``final``, unless it is complete already (it holds ``marker``, the file ``write`` writes last):
+    written by ``write(folder)`` into a temporary folder beside it and renamed into place: concurrent
+    builders leave one complete copy, never a partial one."""
+    if (final / marker).is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-build-", dir=final.parent))
@@ -287,7 +288,7 @@ def build_once(final: Path, write: Callable[[Path], None]) -> Path:
             os.rename(tmp, final)
         except OSError:
             # Another process finished the same build first: its folder is identical, keep it.
-            if not (final / "dapo_tiny.json").is_file():
+            if not (final / marker).is_file():
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

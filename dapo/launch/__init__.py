@@ -17,7 +17,6 @@ from typing import Any, Callable
 
 from dapo.config import DapoConfig, load_config, load_resolved, public_bind_error
 from dapo.runtime import service_env
-from dapo.models import resolve_model_path
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -83,7 +82,10 @@ def reserve_port(host: str) -> socket.socket:
 
 def resolve_config(prog: str, overrides: list[str], config_path: str | None = None) -> DapoConfig:
     """The config composed from ``overrides`` (the run's one Hydra compose) or read from ``config_path``, with
-    ``model.path`` a folder (builtin:tiny built here). Exits 2 saying why: invalid, or public with the default token."""
+    ``model.path`` a folder (builtin:tiny built here, a wheel built-in fetched here). Exits 2 saying why: invalid,
+    a model that is not there or cannot be fetched, or public with the default token."""
+    from dapo.launch.fetch import resolve_model_path  # not at the top: `python -m dapo.launch.fetch` imports this
+
     try:
         cfg = load_resolved(config_path) if config_path else load_config(overrides)
         if not (refusal := public_bind_error(cfg.transport)):
