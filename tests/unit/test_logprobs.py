@@ -170,7 +170,8 @@ def _one_step(variant: str) -> dict:
 def _compare_clips(trainer) -> tuple[float, float, float]:
     """The CPU-offload clip (local norms, one all-reduce) against torch's clip_grad_norm_ on the same
     gradients (DTensor shards, or plain tensors at one rank), at max_norm = half the norm so that both
-    really scale: (norm by torch, norm by ours, largest difference of the clipped gradients)."""
+    really scale: (norm by torch, norm by ours, largest difference of the clipped gradients relative to
+    the largest clipped gradient: both scale the same fp32 numbers, so they agree to a few ulps)."""
     from learner.trainer import clip_offloaded_grads_
     from tests.unit.test_trainer import full, local
 
@@ -183,7 +184,7 @@ def _compare_clips(trainer) -> tuple[float, float, float]:
         local(p.grad).copy_(g)
     ours = clip_offloaded_grads_(params, float(norm) / 2, torch.device("cpu"))
     diff = max(float((local(p.grad) - r).abs().max()) for p, r in zip(params, ref))
-    return float(ref_norm), float(ours), diff
+    return float(ref_norm), float(ours), diff / max(float(r.abs().max()) for r in ref)
 
 
 def _assert_same(got: dict, ref: dict, what: str) -> None:
@@ -216,7 +217,7 @@ def test_trainer_chunked_and_checkpointed_grads_equal_plain_on_one_rank():
         _assert_same(runs[v], runs["plain"], v)
     for v, run in runs.items():
         ref_norm, ours, diff = run["clip"]
-        assert abs(ours - ref_norm) <= 1e-6 * ref_norm and diff <= 1e-9, (v, run["clip"])
+        assert abs(ours - ref_norm) <= 1e-6 * ref_norm and diff <= 1e-6, (v, run["clip"])
 
 
 def _one_sequence_step(variant: str) -> dict[str, float]:
@@ -269,5 +270,5 @@ def test_trainer_chunked_and_checkpointed_grads_on_two_ranks_equal_one_rank_plai
     for v, run in two.items():
         _assert_same(run, ref, f"2 ranks {v}")
         ref_norm, ours, diff = run["clip"]  # rank 0's shards; the norms are global
-        assert abs(ours - ref_norm) <= 1e-6 * ref_norm and diff <= 1e-9, (v, run["clip"])
+        assert abs(ours - ref_norm) <= 1e-6 * ref_norm and diff <= 1e-6, (v, run["clip"])
         assert abs(ref_norm - ref["clip"][0]) <= 1e-5 * ref_norm
