@@ -23,6 +23,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -237,6 +238,7 @@ def log_step(services: Rank0Services, step: int, groups: list, batch: Any, value
     record = {"version": float(step), **values, **batch_metrics(groups, step - 1), "time/step_s": step_s,
               "learner/idle_fraction": values["time/wait_batch_s"] / max(step_s, 1e-9),
               "throughput/tokens_per_s": float(batch.tokens.numel()) / max(step_s, 1e-9)}
+    record["memory/learner_rss_mb"] = psutil.Process().memory_info().rss / 2**20  # rank 0; flat after warm-up
     status = services.coordinator.status()
     record["actors/alive"] = float(len(status["actors"]))
     uptime_ms = sum(a["counters"].get("uptime_ms", 0) for a in status["actors"])  # 0 before a heartbeat
