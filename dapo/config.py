@@ -202,10 +202,13 @@ class ActorConfig:
     """A verifier call that runs longer scores -1 and counts an error."""
     reward_fn: str = "dapo.rewards:score"
     """``module:function`` that scores one response, ``fn(data_source, response_text, ground_truth)
-    -> (reward, acc, pred)``; runs in the actor's verifier worker process (importable there). It
-    raises ``dapo.rewards.UnknownDataSource`` for a data_source it cannot score (the actor stops
-    with that error); any other exception scores -1 and counts a verifier error. With the default,
-    the learner checks every data_source of data.train_path at start-up."""
+    -> (reward, acc, pred)``: training groups (in the actor's verifier worker process) and held-out
+    evaluation (the learner's, with learner.eval_every_steps, and ``dapo eval``) alike, so it must
+    import on the actors and the learner (``dapo.rewards.load_reward_fn``). It raises
+    ``dapo.rewards.UnknownDataSource`` for a data_source it cannot score (the actor, or the
+    evaluation, stops with that error); any other exception scores -1 and counts a verifier error.
+    With the default, every data_source of data.train_path and data.eval_path must have a
+    verifier in dapo.rewards: checked at start-up."""
     heartbeat_interval_s: float = 1.0
     """Seconds between heartbeats to the coordinator."""
     connect_retry_max_s: float = 10.0

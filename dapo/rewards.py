@@ -22,13 +22,19 @@ invalid unicode). Work per call is bounded: only a fixed tail of the response is
 regex is linear on it. A hard wall-clock timeout needs a separate process: that wrapper is the
 actor's (``actors/verifier.py``), not this module's. An unknown ``data_source`` is a
 configuration error, never a score: it raises ``UnknownDataSource`` (a ``ValueError``) naming the
-known sources. The learner checks every data_source of its datasets at start-up
-(``check_data_sources``, called by ``dapo.data.build_dataset``); the actor's verifier worker
-stops the actor on one rather than scoring it -1 (that would read as "data too hard").
+known sources. The learner checks every data_source of its datasets at start-up, and ``dapo eval``
+its file (``check_data_sources``, called by ``dapo.data.build_dataset``); the actor's verifier
+worker stops the actor on one rather than scoring it -1 (that would read as "data too hard").
+
+One reward path: ``actor.reward_fn`` (``module:function``, default ``dapo.rewards:score``) is
+resolved by ``load_reward_fn`` alone, which the actors' verifier worker (training groups), the
+learner's in-run evaluator and ``dapo eval`` (held-out accuracy) all call: what a run trains on
+is what it is evaluated by.
 """
 
 from __future__ import annotations
 
+import importlib
 import threading
 from typing import Callable, Mapping
 
@@ -50,6 +56,10 @@ BOXED_PREFIXES = ("aime",)
 SCORE_FN = "dapo.rewards:score"
 """``actor.reward_fn`` of this module's ``score`` (the default)."""
 
+ScoreFn = Callable[[str, str, str], tuple[float, bool, str]]
+"""``(data_source, response, ground_truth) -> (reward, acc, pred)``: ``score``, or what
+``actor.reward_fn`` names (``load_reward_fn``)."""
+
 AnswerCheck = Callable[[str, str], tuple[bool, str]]
 """``(response, ground_truth) -> (correct, extracted answer)`` for one data source (the actors'
 ``Verifier`` class runs ``score``, which picks one of these, in a worker process)."""
@@ -58,6 +68,32 @@ AnswerCheck = Callable[[str, str], tuple[bool, str]]
 class UnknownDataSource(ValueError):
     """No verifier for a data_source: a configuration error (dataset or reward function), never a
     -1 score. A custom ``actor.reward_fn`` raises it too for a source it cannot score."""
+
+
+class RewardFnError(ValueError):
+    """``actor.reward_fn`` names no function that can be imported here: a configuration error."""
+
+
+def load_reward_fn(spec: str) -> ScoreFn:
+    """The scoring function ``spec`` (``actor.reward_fn``, ``module:function``) names, imported.
+
+    The one resolution of that setting: the actors' verifier worker scores training groups with
+    what it returns, the learner's held-out evaluation and ``dapo eval`` score with the same. Raises
+    ``RewardFnError`` saying what is missing."""
+    module, _, name = spec.partition(":")
+    try:
+        mod = importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - any import failure of user code is this config error
+        raise RewardFnError(f"actor.reward_fn={spec}: module {module!r} does not import here ({exc!r}); "
+                            "put it on the PYTHONPATH of every actor and of the learner (held-out evaluation "
+                            "scores with it too), or use the default dapo.rewards:score.") from exc
+    fn = getattr(mod, name, None)
+    if not callable(fn):
+        raise RewardFnError(f"actor.reward_fn={spec}: module {module!r} ({getattr(mod, '__file__', '?')}) has no "
+                            f"function {name!r}; expected fn(data_source, response, ground_truth) -> "
+                            "(reward, acc, pred).")
+    return fn
+
 
 _error_lock = threading.Lock()
 _error_count = 0
@@ -103,7 +139,7 @@ def verifier_for(data_source: str) -> AnswerCheck:
     """The verifier for ``data_source``; UnknownDataSource naming the known sources when there is none."""
     if not isinstance(data_source, str):
         raise UnknownDataSource(f"data_source must be a string, got {data_source!r}: known sources are "
-                         f"{known_sources()}.")
+                                f"{known_sources()}.")
     if data_source == task.DATA_SOURCE:
         return task.verify
     if data_source in DAPO_SOURCES or data_source.startswith(DAPO_PREFIXES):
@@ -111,14 +147,20 @@ def verifier_for(data_source: str) -> AnswerCheck:
     if data_source in BOXED_SOURCES or data_source.startswith(BOXED_PREFIXES):
         return verify_boxed
     raise UnknownDataSource(f"no verifier for data_source {data_source!r}: known sources are "
-                     f"{known_sources()}. Fix the dataset's data_source column or add a verifier "
-                     f"in dapo/rewards.py.")
+                            f"{known_sources()}. Fix the dataset's data_source column, or set "
+                            "actor.reward_fn=module:function to a function that scores it, or add a verifier "
+                            "in dapo/rewards.py.")
 
 
-def check_data_sources(counts: Mapping[str, int], where: str, other_fix: str = "") -> None:
-    """Raise UnknownDataSource when any of the data sources (``{data_source: rows}``) of ``where``
-    (a dataset, e.g. ``data.train_path=...``) has no verifier; the message lists every unknown
-    one with its row count, the known sources and the fixes (``other_fix``: one more)."""
+def check_data_sources(counts: Mapping[str, int], where: str, reward_fn: str) -> None:
+    """Start-up check of the data sources (``{data_source: rows}``) of ``where`` (a dataset, e.g.
+    ``data.train_path=...``) against the scoring function ``reward_fn`` (``actor.reward_fn``).
+
+    With the default, ``score``, every source needs a verifier here: UnknownDataSource otherwise,
+    listing every unknown source with its row count, the known sources and the fixes. A custom
+    ``reward_fn`` owns its sources (it raises UnknownDataSource for one it cannot score)."""
+    if reward_fn != SCORE_FN:
+        return
     unknown = []
     for source, count in sorted(counts.items(), key=lambda item: str(item[0])):
         try:
@@ -127,8 +169,10 @@ def check_data_sources(counts: Mapping[str, int], where: str, other_fix: str = "
             unknown.append(f"{source!r} ({count} rows)")
     if unknown:
         raise UnknownDataSource(f"{where}: no verifier for data_source {', '.join(unknown)}; known sources are "
-                                f"{known_sources()}. Fix the data_source column of the dataset, or add a "
-                                f"verifier in dapo/rewards.py{other_fix}.")
+                                f"{known_sources()}. Fix: use a known data_source (the dataset's data_source "
+                                "column), or set actor.reward_fn=module:function to a function that scores these "
+                                "sources (training and held-out evaluation both score with it), or add a verifier "
+                                "in dapo/rewards.py.")
 
 
 def score(data_source: str, response: str | bytes, ground_truth: str) -> tuple[float, bool, str]:

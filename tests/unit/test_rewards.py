@@ -118,15 +118,33 @@ def test_unknown_data_source_names_the_known_ones():
     assert issubclass(rewards.UnknownDataSource, ValueError)
 
 
-def test_check_data_sources_lists_every_unknown_source_with_its_rows():
-    rewards.check_data_sources({DATA_SOURCE: 5, "aime24": 30, "math_dapo": 2}, "x.jsonl")  # all known
+def test_check_data_sources_lists_every_unknown_source_with_its_rows_and_the_fixes():
+    rewards.check_data_sources({DATA_SOURCE: 5, "aime24": 30, "math_dapo": 2}, "x.jsonl", rewards.SCORE_FN)
     with pytest.raises(rewards.UnknownDataSource) as err:
         rewards.check_data_sources({"gsm8k": 3, DATA_SOURCE: 5, "my_bench": 1}, "data.train_path=x.jsonl",
-                                   ", or use another reward_fn")
+                                   rewards.SCORE_FN)
     msg = str(err.value)
     assert msg.startswith("data.train_path=x.jsonl: no verifier for data_source 'gsm8k' (3 rows), 'my_bench' (1 rows);")
     assert rewards.known_sources() in msg and DATA_SOURCE not in msg.split(";")[0]
-    assert msg.endswith("add a verifier in dapo/rewards.py, or use another reward_fn.")
+    assert msg.endswith("Fix: use a known data_source (the dataset's data_source column), or set "
+                        "actor.reward_fn=module:function to a function that scores these sources (training and "
+                        "held-out evaluation both score with it), or add a verifier in dapo/rewards.py.")
+    # A custom reward_fn owns its sources: nothing to check here (it raises when it cannot score one).
+    rewards.check_data_sources({"gsm8k": 3}, "data.train_path=x.jsonl", "my_rewards:score")
+
+
+def test_load_reward_fn_resolves_module_function_or_says_what_is_missing(tmp_path, monkeypatch):
+    assert rewards.load_reward_fn(rewards.SCORE_FN) is rewards.score
+    (tmp_path / "my_rewards.py").write_text("def score(d, r, g):\n    return 1.0, True, r\nNOT_A_FN = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert rewards.load_reward_fn("my_rewards:score")("s", "x", "1") == (1.0, True, "x")
+    with pytest.raises(rewards.RewardFnError, match="actor.reward_fn=my_rewards:NOT_A_FN: module 'my_rewards' "
+                                                    ".*my_rewards.py\\) has no function 'NOT_A_FN'"):
+        rewards.load_reward_fn("my_rewards:NOT_A_FN")
+    with pytest.raises(rewards.RewardFnError, match="module 'nope_rewards' does not import here .*PYTHONPATH of every "
+                                                    "actor and of the learner"):
+        rewards.load_reward_fn("nope_rewards:score")
+    assert issubclass(rewards.RewardFnError, ValueError)
 
 
 def test_verifier_error_is_scored_and_counted():
