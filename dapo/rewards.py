@@ -12,6 +12,11 @@ The verifier is chosen by the row's ``data_source`` (``verifier_for``; names in 
   ("042" == "42" == "42.0"), else as strings.
 - ``dapo_builtin``, the built-in task (``dapo.task.verify``): the integer on the last ``Answer:``
   line equals the sum.
+- ``numeric``, ``verify_numeric`` (``NUMERIC_SOURCES``; GSM8K-style data, dapo.arith's task): lenient,
+  as GSM8K's "flexible-extract" scoring: the last number in the last 1000 characters, unless an
+  explicit answer holds one (the last ``\\boxed{}``, else the last ``#### 42`` line), compared
+  exactly as decimals (56 == 56.0 == 056; "1,234" == 1234; "$-5" == -5). The ground truth is read
+  the same way, so a GSM8K solution ending in ``#### 72`` is a ground truth of 72.
 
 Rewards are +1 (correct) and -1 (wrong, no answer, or verifier error); ``acc`` is the bool
 behind the reward and ``pred`` the normalised prediction (``[INVALID]`` when none was found).
@@ -35,7 +40,9 @@ is what it is evaluated by.
 from __future__ import annotations
 
 import importlib
+import re
 import threading
+from decimal import Decimal
 from typing import Callable, Mapping
 
 from dapo import task
@@ -52,6 +59,9 @@ DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning", "debug/dapo_math")
 DAPO_PREFIXES = ("math_dapo",)
 BOXED_SOURCES = ("lighteval/MATH", "HuggingFaceH4/MATH-500", "DigitalLearningGmbH/MATH-lighteval")
 BOXED_PREFIXES = ("aime",)
+NUMERIC_SOURCES = ("numeric",)
+NUMERIC_TAIL_CHARS = 1000
+"""The numeric verifier reads only this many trailing characters of a response."""
 
 SCORE_FN = "dapo.rewards:score"
 """``actor.reward_fn`` of this module's ``score`` (the default)."""
@@ -128,11 +138,55 @@ def verify_boxed(response: str, ground_truth: str) -> tuple[bool, str]:
     return pred == gt, pred
 
 
+# A decimal number: thousands groups ("1,234,567"), a fraction part (".5" only when no digit comes
+# before the dot: "1.2.3" ends in 3), a leading "$". A minus (ASCII or U+2212) is its sign only
+# where it cannot be a subtraction or a hyphen: not after a letter, digit or closing bracket
+# ("10-3" is 3, "x = -3" is -3). Digits may touch letters ("42apples" is 42).
+_NUMBER_IN_TEXT = re.compile(r"(?P<minus>(?<![\w)\]}.])[-\u2212])?\$?"
+                             r"(?P<digits>[0-9]{1,3}(?:,[0-9]{3})+(?:\.[0-9]+)?|[0-9]+(?:\.[0-9]+)?"
+                             r"|(?<![0-9])\.[0-9]+)")
+_GSM8K_ANSWER = re.compile(r"####([^\n]*)")
+
+
+def last_number(text: str) -> Decimal | None:
+    """The last number written in ``text`` (exact: a Decimal), or None when there is none."""
+    match = None
+    for match in _NUMBER_IN_TEXT.finditer(text):
+        pass
+    if match is None:
+        return None
+    value = Decimal(match["digits"].replace(",", ""))
+    return -value if match["minus"] else value
+
+
+def numeric_answer(text: str) -> Decimal | None:
+    """The answer ``verify_numeric`` reads: the number in the last ``\\boxed{}``, else on the last
+    ``####`` line, else the last number of ``text`` (each only when it holds one)."""
+    boxed = last_boxed(text)
+    marked = _GSM8K_ANSWER.findall(text)
+    for candidate in (boxed, marked[-1] if marked else None):
+        if candidate is not None and (value := last_number(candidate)) is not None:
+            return value
+    return last_number(text)
+
+
+def verify_numeric(response: str, ground_truth: str) -> tuple[bool, str]:
+    """Lenient numeric equality of the response's answer (``numeric_answer``) and the ground
+    truth's; raises ValueError (a counted verifier error) for a ground truth without a number."""
+    truth = numeric_answer(ground_truth[-NUMERIC_TAIL_CHARS:])
+    if truth is None:
+        raise ValueError(f"numeric ground truth {ground_truth[:80]!r} holds no number")
+    pred = numeric_answer(response[-NUMERIC_TAIL_CHARS:])
+    if pred is None:
+        return False, INVALID
+    return pred == truth, format(pred.normalize(), "f")  # 56.0 -> "56", 1E+2 -> "100"
+
+
 def known_sources() -> str:
     """Human-readable list of the data sources ``score`` accepts."""
     return (f"{', '.join(DAPO_SOURCES)}, {'*, '.join(DAPO_PREFIXES)}* (DAPO math); "
             f"{'*, '.join(BOXED_PREFIXES)}*, {', '.join(BOXED_SOURCES)} (boxed); "
-            f"{task.DATA_SOURCE} (built-in task)")
+            f"{', '.join(NUMERIC_SOURCES)} (last number, GSM8K flexible-extract); {task.DATA_SOURCE} (built-in task)")
 
 
 def verifier_for(data_source: str) -> AnswerCheck:
@@ -146,6 +200,8 @@ def verifier_for(data_source: str) -> AnswerCheck:
         return verify_dapo_math
     if data_source in BOXED_SOURCES or data_source.startswith(BOXED_PREFIXES):
         return verify_boxed
+    if data_source in NUMERIC_SOURCES:
+        return verify_numeric
     raise UnknownDataSource(f"no verifier for data_source {data_source!r}: known sources are "
                             f"{known_sources()}. Fix the dataset's data_source column, or set "
                             "actor.reward_fn=module:function to a function that scores it, or add a verifier "

@@ -109,6 +109,61 @@ def test_builtin_task_verifier():
     assert rewards.score(DATA_SOURCE, "Answer: 832\nAnswer: 1", "832")[0] == -1.0
 
 
+NUMERIC_CASES = [
+    # (response, ground truth, (reward, acc, pred)): GSM8K "flexible-extract", the last number.
+    ("The answer is 42.", "42", (1.0, True, "42")),               # trailing period
+    ("7 * 8 = 56", "56", (1.0, True, "56")),
+    ("56.0", "56", (1.0, True, "56")),                             # integer vs float, both ways
+    ("56", "56.0", (1.0, True, "56")),
+    ("2.50", "2.5", (1.0, True, "2.5")),
+    ("007", "7", (1.0, True, "7")),
+    ("56.5", "56", (-1.0, False, "56.5")),
+    ("It costs $1,234.", "1234", (1.0, True, "1234")),            # $ and thousands commas
+    ("1,234,567.25 in total", "1234567.25", (1.0, True, "1234567.25")),
+    ("first 1,2,3", "3", (1.0, True, "3")),                        # a list, not thousands
+    ("x = -5", "-5", (1.0, True, "-5")),                           # signs
+    ("\u22123", "-3", (1.0, True, "-3")),                         # U+2212 minus
+    ("$-5", "-5", (1.0, True, "-5")),
+    ("-$5", "-5", (1.0, True, "-5")),
+    ("(-3)", "-3", (1.0, True, "-3")),
+    ("10-5", "5", (1.0, True, "5")),                               # a subtraction, not a sign
+    ("10-5", "-5", (-1.0, False, "5")),
+    ("well-7", "7", (1.0, True, "7")),                             # a hyphen, not a sign
+    ("it is -0.5.", "-0.5", (1.0, True, "-0.5")),
+    (".5 of it", "0.5", (1.0, True, "0.5")),
+    ("version 1.2.3", "3", (1.0, True, "3")),
+    ("42apples", "42", (1.0, True, "42")),                         # glued to words
+    ("answer:42", "42", (1.0, True, "42")),
+    ("x42", "42", (1.0, True, "42")),
+    ("50%", "50", (1.0, True, "50")),
+    ("the answer is 4 not 5", "4", (-1.0, False, "5")),           # the last number, as flexible-extract
+    ("So \\boxed{1,000}. I checked it 3 times.", "1000", (1.0, True, "1000")),  # an explicit answer wins
+    ("\\boxed{x = 12} then 13", "12", (1.0, True, "12")),
+    ("\\boxed{} so 12", "12", (1.0, True, "12")),              # an empty box holds no answer
+    ("#### 72\nThat is 3 more than 69.", "72", (1.0, True, "72")),  # the GSM8K answer line
+    ("#### $1,080.", "1080", (1.0, True, "1080")),
+    ("48/2 = <<48/2=24>>24 clips.\n#### 72", "Natalia sold 48+24 = <<48+24=72>>72 clips.\n#### 72",
+     (1.0, True, "72")),                                           # a GSM8K solution as the ground truth
+    ("12345678901234567891", "12345678901234567890", (-1.0, False, "12345678901234567891")),  # exact
+    ("no number here", "5", (-1.0, False, "[INVALID]")),
+    ("", "5", (-1.0, False, "[INVALID]")),
+    ("42 " + "x" * 1000, "42", (-1.0, False, "[INVALID]")),        # only the tail is read
+]
+
+
+@pytest.mark.parametrize("response, truth, expected", NUMERIC_CASES, ids=range(len(NUMERIC_CASES)))
+def test_numeric_verifier_edge_cases(response, truth, expected):
+    assert rewards.verifier_for("numeric") is rewards.verify_numeric
+    assert rewards.score("numeric", response, truth) == expected
+
+
+def test_numeric_ground_truth_without_a_number_is_a_counted_error():
+    before = rewards.verifier_error_count()
+    assert rewards.score("numeric", "42", "forty-two") == (-1.0, False, rewards.ERROR_PRED)
+    assert rewards.verifier_error_count() == before + 1
+    assert "numeric" in rewards.known_sources()
+
+
 def test_unknown_data_source_names_the_known_ones():
     with pytest.raises(rewards.UnknownDataSource,
                        match="no verifier for data_source 'gsm8k'.*math_dapo.*aime.*dapo_builtin"):
@@ -168,7 +223,7 @@ MALFORMED = [
 ]
 
 
-@pytest.mark.parametrize("source", ["math_dapo", "aime24", DATA_SOURCE])
+@pytest.mark.parametrize("source", ["math_dapo", "aime24", DATA_SOURCE, "numeric"])
 @pytest.mark.parametrize("response", MALFORMED, ids=range(len(MALFORMED)))
 def test_malformed_responses_never_raise(source, response):
     reward, acc, pred = rewards.score(source, response, "1")
@@ -181,7 +236,7 @@ def test_binary_response_bytes_are_decoded():
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.text(max_size=2000), st.sampled_from(["math_dapo", "aime24", DATA_SOURCE]))
+@given(st.text(max_size=2000), st.sampled_from(["math_dapo", "aime24", DATA_SOURCE, "numeric"]))
 def test_any_text_scores_without_raising(text, source):
     errors = rewards.verifier_error_count()
     reward, acc, _ = rewards.score(source, text, "12")
