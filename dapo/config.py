@@ -504,6 +504,7 @@ def load_config(overrides: list[str] | tuple[str, ...] = ()) -> DapoConfig:
     from omegaconf.errors import OmegaConfBaseException
     from hydra.errors import HydraException
 
+    _check_presets(overrides)
     try:
         node = compose(overrides)
         _reject_unknown_keys(node, "")
@@ -515,6 +516,27 @@ def load_config(overrides: list[str] | tuple[str, ...] = ()) -> DapoConfig:
         raise ConfigError(f"invalid config override: {exc}{cause}{_did_you_mean(overrides)}".strip()) from None
     assert isinstance(cfg, DapoConfig)
     return cfg
+
+
+PRESET_GROUPS = ("algorithm", "experiment")
+"""Config groups whose options are the YAML files of ``dapo/conf/<group>/``."""
+
+
+def presets(group: str) -> list[str]:
+    """The preset names of ``group``: the stems of ``dapo/conf/<group>/*.yaml``."""
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def _check_presets(overrides: list[str] | tuple[str, ...]) -> None:
+    """``experiment=<name>`` / ``algorithm=<name>`` must name a preset file. Hydra silently ignores
+    a missing option of the optional ``experiment`` group (the run would be the default one), and
+    lists the ConfigStore's schema node among ``algorithm``'s options."""
+    for item in overrides:
+        group, sep, name = item.partition("=")
+        group = group.lstrip("+")
+        if sep and group in PRESET_GROUPS and name not in presets(group):
+            raise ConfigError(f"`{item}`: there is no such preset (dapo/conf/{group}/{name}.yaml); the {group} "
+                              f"presets are {', '.join(presets(group))}.")
 
 
 RENAMED_KEYS = {
