@@ -128,8 +128,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="dapo eval",
         description=(
-            "Evaluate MODEL on DATA: k samples per prompt with vLLM (in-process), each scored by the\n"
-            "project's verifier (the row's data_source picks it). Reports avg@k (mean accuracy over all\n"
+            "Evaluate MODEL on DATA: k samples per prompt with vLLM (in-process), each scored as training\n"
+            "scores it: actor.reward_fn, by default the project's verifier for the row's data_source.\n"
+            "Reports avg@k (mean accuracy over all\n"
             "samples: the DAPO paper's avg@32), pass@k (unbiased estimator, n = k: a prompt counts when any\n"
             "sample is correct), pass@1, a per-data_source breakdown, mean response length, truncation\n"
             "rate and verifier errors. Prompts render exactly as in training (dapo/data.py)."),
@@ -193,11 +194,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def check_data_sources(prompts: list[Prompt], data: str, template: str) -> None:
-    """Fail before any generation when a row's data_source has no verifier; warn when the
-    prompt asks for an answer format its verifier does not read."""
+def check_data_sources(prompts: list[Prompt], data: str, template: str, reward_fn: str) -> None:
+    """Fail before any generation when ``reward_fn`` (``actor.reward_fn``) cannot be imported or,
+    the default, has no verifier for a row's data_source; warn when the prompt asks for an answer
+    format its verifier does not read."""
+    rewards.load_reward_fn(reward_fn)  # the worker imports it again; here a bad one costs no engine start
     counts = Counter(p.data_source for p in prompts)
-    rewards.check_data_sources(counts, data)
+    rewards.check_data_sources(counts, data, reward_fn)
+    if reward_fn != rewards.SCORE_FN:
+        return
     for source in sorted(counts):
         if template == "dapo" and rewards.verifier_for(source) is rewards.verify_boxed:
             log.warning("--prompt-template dapo asks for a final 'Answer: ...' line, but data_source %r is "
@@ -283,8 +288,7 @@ def prepare(args: argparse.Namespace) -> EvalInputs:
     if dataset.duplicates_dropped:
         log.info("%s: %d duplicate prompts dropped (data.dedup_by_prompt=true)", args.data, dataset.duplicates_dropped)
     prompts = [dataset[i] for i in range(len(dataset))][:args.limit]
-    if cfg.actor.reward_fn == rewards.SCORE_FN:  # a custom reward_fn may know other sources
-        check_data_sources(prompts, args.data, args.prompt_template)
+    check_data_sources(prompts, args.data, args.prompt_template, cfg.actor.reward_fn)
     dtype, limit_tokens = model_settings(model_path, args.dtype)
     prompts, skipped = fit_prompts(prompts, limit_tokens, max_response_tokens, args.skip_long_prompts)
     if skipped:

@@ -19,7 +19,6 @@ first replies ``["ok", 0, false, "ready"]`` once the module imported.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import select
@@ -32,7 +31,7 @@ from dataclasses import dataclass
 import msgpack
 
 from dapo.launch import die_with_parent
-from dapo.rewards import SCORE_FN, UnknownDataSource
+from dapo.rewards import SCORE_FN, UnknownDataSource, load_reward_fn
 
 log = logging.getLogger(__name__)
 
@@ -187,15 +186,13 @@ class Verifier:
 
 
 def _worker_main(score_fn: str) -> None:
-    module, _, name = score_fn.partition(":")
     # The protocol owns the real stdout; anything the verifier prints goes to stderr instead.
     out = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)
-    mod = importlib.import_module(module)
-    fn = getattr(mod, name)
+    fn = load_reward_fn(score_fn)  # the resolution held-out evaluation uses too
     # dapo.rewards.score catches its verifiers' exceptions itself (scores -1, counts them in
     # this process); read its counter so that those errors are counted by the actor too.
-    error_count = getattr(mod, "verifier_error_count", lambda: 0)
+    error_count = getattr(sys.modules.get(getattr(fn, "__module__", "")), "verifier_error_count", lambda: 0)
     out.write(msgpack.packb(["ok", 0, False, "ready"]))
     unpacker = msgpack.Unpacker(raw=False)
     while data := os.read(sys.stdin.fileno(), 1 << 16):

@@ -137,6 +137,7 @@ def trl_worker(args: argparse.Namespace) -> None:
     from dapo.data import build_dataset
     from dapo.evaluation import sampled_accuracy
     from dapo.models import resolve_model_path
+    from dapo.rewards import load_reward_fn
 
     cfg = load_config([f"run.cache_dir={ROOT / '.cache' / 'dapo'}"])
     model_path = str(resolve_model_path(cfg))
@@ -150,8 +151,9 @@ def trl_worker(args: argparse.Namespace) -> None:
 
     def evaluate(model, batch: int) -> float:
         t = time.time()
-        acc = sampled_accuracy(model, tok, held_out, max_new_tokens=cfg.actor.max_response_tokens,
-                               temperature=1.0, batch_size=EVAL_BATCH_SIZE, seed=args.seed).accuracy
+        acc = sampled_accuracy(model, tok, held_out, score_fn=load_reward_fn(cfg.actor.reward_fn),
+                               max_new_tokens=cfg.actor.max_response_tokens, temperature=1.0,
+                               batch_size=EVAL_BATCH_SIZE, seed=args.seed).accuracy
         events["evals"].append({"batch": batch, "accuracy": acc, "unix_s": t, "excluded_before_s": excluded["s"]})
         excluded["s"] += time.time() - t
         print(f"trl: batch {batch} held-out {acc:.3f} at {t - t_cmd - events['evals'][-1]['excluded_before_s']:.1f} s "

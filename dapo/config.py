@@ -204,10 +204,13 @@ class ActorConfig:
     """A verifier call that runs longer scores -1 and counts an error."""
     reward_fn: str = "dapo.rewards:score"
     """``module:function`` that scores one response, ``fn(data_source, response_text, ground_truth)
-    -> (reward, acc, pred)``; runs in the actor's verifier worker process (importable there). It
-    raises ``dapo.rewards.UnknownDataSource`` for a data_source it cannot score (the actor stops
-    with that error); any other exception scores -1 and counts a verifier error. With the default,
-    the learner checks every data_source of data.train_path at start-up."""
+    -> (reward, acc, pred)``: training groups (in the actor's verifier worker process) and held-out
+    evaluation (the learner's, with learner.eval_every_steps, and ``dapo eval``) alike, so it must
+    import on the actors and the learner (``dapo.rewards.load_reward_fn``). It raises
+    ``dapo.rewards.UnknownDataSource`` for a data_source it cannot score (the actor, or the
+    evaluation, stops with that error); any other exception scores -1 and counts a verifier error.
+    With the default, every data_source of data.train_path and data.eval_path must have a
+    verifier in dapo.rewards: checked at start-up."""
     heartbeat_interval_s: float = 1.0
     """Seconds between heartbeats to the coordinator."""
     connect_retry_max_s: float = 10.0
@@ -505,6 +508,7 @@ def load_config(overrides: list[str] | tuple[str, ...] = ()) -> DapoConfig:
     from omegaconf.errors import OmegaConfBaseException
     from hydra.errors import HydraException
 
+    _check_presets(overrides)
     try:
         node = compose(overrides)
         _reject_unknown_keys(node, "")
@@ -516,6 +520,27 @@ def load_config(overrides: list[str] | tuple[str, ...] = ()) -> DapoConfig:
         raise ConfigError(f"invalid config override: {exc}{cause}{_did_you_mean(overrides)}".strip()) from None
     assert isinstance(cfg, DapoConfig)
     return cfg
+
+
+PRESET_GROUPS = ("algorithm", "experiment")
+"""Config groups whose options are the YAML files of ``dapo/conf/<group>/``."""
+
+
+def presets(group: str) -> list[str]:
+    """The preset names of ``group``: the stems of ``dapo/conf/<group>/*.yaml``."""
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def _check_presets(overrides: list[str] | tuple[str, ...]) -> None:
+    """``experiment=<name>`` / ``algorithm=<name>`` must name a preset file. Hydra silently ignores
+    a missing option of the optional ``experiment`` group (the run would be the default one), and
+    lists the ConfigStore's schema node among ``algorithm``'s options."""
+    for item in overrides:
+        group, sep, name = item.partition("=")
+        group = group.lstrip("+")
+        if sep and group in PRESET_GROUPS and name not in presets(group):
+            raise ConfigError(f"`{item}`: there is no such preset (dapo/conf/{group}/{name}.yaml); the {group} "
+                              f"presets are {', '.join(presets(group))}.")
 
 
 RENAMED_KEYS = {

@@ -217,20 +217,18 @@ def rows_for(path: str, split: str, cfg: Any) -> list[dict[str, Any]]:
 def build_dataset(cfg: Any, split: str, tokenizer: Any) -> PromptDataset:
     """The train (``data.train_path``) or eval (``data.eval_path``) dataset of a ``DapoConfig``.
 
-    Every data_source must have a verifier (``rewards.UnknownDataSource`` otherwise, before any
-    rendering): an unscorable row would otherwise score -1 in the actors, a run that looks like
-    data too hard. Training rows scored by a custom ``actor.reward_fn`` are that function's to
-    check; the learner's held-out evaluation always scores with ``dapo.rewards``.
+    Every data_source must be scorable by ``actor.reward_fn`` (with the default, a verifier in
+    dapo.rewards: ``rewards.UnknownDataSource`` otherwise, before any rendering): an unscorable row
+    would otherwise score -1 in the actors, a run that looks like data too hard. A custom
+    ``actor.reward_fn`` owns its sources, in training and held-out evaluation alike (both score
+    with it).
     """
     if split not in ("train", "eval"):
         raise ValueError(f"split {split!r} is unknown: expected train or eval.")
     path = cfg.data.train_path if split == "train" else cfg.data.eval_path
     rows = rows_for(path, split, cfg)
-    if split == "eval" or cfg.actor.reward_fn == rewards.SCORE_FN:
-        rewards.check_data_sources(Counter(r["data_source"] for r in rows), f"data.{split}_path={path}",
-                                   ", or set actor.reward_fn to a function that scores it" if split == "train" else "")
-    else:
-        log.info("data.train_path: data sources not checked; actor.reward_fn=%s scores them", cfg.actor.reward_fn)
+    rewards.check_data_sources(Counter(r["data_source"] for r in rows), f"data.{split}_path={path}",
+                               cfg.actor.reward_fn)
     return PromptDataset(rows, tokenizer, template=cfg.data.prompt_template,
                          dedup=cfg.data.dedup_by_prompt, max_prompt_tokens=cfg.data.max_prompt_tokens)
 

@@ -3,9 +3,11 @@
 A plain (unsharded) HF copy of the model on rank 0 loads each evaluated version's full state dict
 (already gathered for publication), so evaluation adds no collective. One sample per held-out
 prompt at the actors' temperature (``actor.temperature``), with a fixed sampling seed, scored by
-dapo.rewards: the accuracy of the policy that is being trained, not of its greedy mode (the
-warm-started tiny model is ~1.0 greedy but ~0.2 sampled; RL's job is to close that gap). This is
-the learner's cheap in-run curve (``eval/accuracy``); ``dapo eval`` (vLLM, avg@k) is the thorough one.
+the function that scores training groups (``actor.reward_fn``; by default dapo.rewards' verifier
+for the row's data_source), each call under ``actor.verifier_timeout_s``: the accuracy of the
+policy that is being trained, not of its greedy mode (the warm-started tiny model is ~1.0 greedy
+but ~0.2 sampled; RL's job is to close that gap). This is the learner's cheap in-run curve
+(``eval/accuracy``); ``dapo eval`` (vLLM, avg@k) is the thorough one.
 
 A process forked from the learner (before its services start threads) holds the copy and
 samples: ``submit`` sends it the version's weights down a pipe as safetensors bytes (a copy: the
@@ -29,6 +31,7 @@ import torch
 
 from dapo.config import DapoConfig
 from dapo.evaluation import sampled_accuracy
+from dapo.rewards import ScoreFn, load_reward_fn
 
 
 PROCESS_NAME = "dapo-eval"
@@ -44,13 +47,17 @@ class Evaluator:
     def __init__(self, cfg: DapoConfig, model_path: Path, tokenizer: Any) -> None:
         from dapo.data import build_dataset
 
-        dataset = build_dataset(cfg, "eval", tokenizer)  # here: a bad held-out set stops the start-up
+        # Here, a held-out set the scoring function cannot score, or a reward_fn that does not
+        # import, stops the start-up (not the first evaluation).
+        dataset = build_dataset(cfg, "eval", tokenizer)
         prompts = [dataset[i] for i in range(len(dataset))]
-        # fork: the child starts with torch, transformers and the held-out set loaded (a spawned one
-        # would import them again, ~2.5 s of CPU next to the run's start-up); it loads the model itself.
+        score_fn = _with_deadline(load_reward_fn(cfg.actor.reward_fn), cfg.actor.verifier_timeout_s)
+        # fork: the child starts with torch, transformers, the scoring function and the held-out set
+        # loaded (a spawned one would import them again, ~2.5 s of CPU next to the run's start-up); it
+        # loads the model itself.
         self._conn, child_end = multiprocessing.Pipe()
         self._proc = multiprocessing.get_context("fork").Process(
-            target=_serve, args=(child_end, self._conn, str(model_path), tokenizer, prompts,
+            target=_serve, args=(child_end, self._conn, str(model_path), tokenizer, prompts, score_fn,
                                  cfg.actor.max_response_tokens, cfg.actor.temperature, cfg.learner.seed),
             name=PROCESS_NAME, daemon=True)
         # Signals blocked across the fork: one that arrives before the child has reset its handlers
@@ -114,8 +121,30 @@ class Evaluator:
                                 f"version {version}; see the learner's log above for why")
 
 
+class ScoreTimeout(Exception):
+    """A scoring call ran past ``actor.verifier_timeout_s`` (scored incorrect and counted)."""
+
+
+def _with_deadline(score_fn: ScoreFn, timeout_s: float) -> ScoreFn:
+    """``score_fn`` interrupted after ``timeout_s`` by SIGALRM: the actors bound each call by killing
+    their worker process; here, in the evaluation process's main thread, an alarm does it (a verifier
+    stuck inside one C call runs on until it returns to Python)."""
+    def expire(signum: int, frame: Any) -> None:
+        raise ScoreTimeout(f"scoring took more than actor.verifier_timeout_s={timeout_s}")
+
+    def timed(data_source: str, response: str, ground_truth: str) -> tuple[float, bool, str]:
+        previous = signal.signal(signal.SIGALRM, expire)
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        try:
+            return score_fn(data_source, response, ground_truth)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+    return timed
+
+
 def _serve(conn: Connection, parent_end: Connection, model_path: str, tokenizer: Any, prompts: list,
-           max_new_tokens: int, temperature: float, seed: int) -> None:
+           score_fn: ScoreFn, max_new_tokens: int, temperature: float, seed: int) -> None:
     """The child: for each (version, weights) received, load and evaluate them, until EOF."""
     # First: the learner's stop handlers (StopFlag) came with the fork and would make the child ignore
     # SIGTERM (multiprocessing's exit hook terminate()s, then joins without a timeout); and while the
@@ -144,12 +173,13 @@ def _serve(conn: Connection, parent_end: Connection, model_path: str, tokenizer:
             # strict=False: the published dict omits the tied lm_head copy (it is the embedding).
             model.load_state_dict(weights, strict=False)
             # batch_size 128: the whole built-in held-out set in one generate call, half the decoding steps of 64.
-            r = sampled_accuracy(model, tokenizer, prompts, max_new_tokens=max_new_tokens, temperature=temperature,
-                                 batch_size=128, seed=seed)
+            r = sampled_accuracy(model, tokenizer, prompts, score_fn=score_fn, max_new_tokens=max_new_tokens,
+                                 temperature=temperature, batch_size=128, seed=seed)
         except Exception as exc:  # noqa: BLE001 - reported to the learner, which raises it
             conn.send_bytes(json.dumps({"version": version, "error": repr(exc)}).encode())
             continue
         conn.send_bytes(json.dumps({
             "version": version, "eval/accuracy": r.accuracy, "eval/response_length_tokens": r.mean_response_tokens,
             "eval/truncated_fraction": r.truncated_fraction, "eval/num_prompts": float(r.num_samples),
+            "eval/verifier_errors": float(r.num_score_errors),
             "time/eval_s": time.perf_counter() - t0, "time/eval_done_unix_s": time.time()}).encode())

@@ -1,9 +1,11 @@
-"""Reward functions for the actor integration tests (``actor.reward_fn=actor_rewards:<name>``)."""
+"""Reward functions for the tests of ``actor.reward_fn`` (actors, held-out evaluation): ``actor_rewards:<name>``."""
 
 from __future__ import annotations
 
 import time
 import zlib
+
+from dapo.rewards import UnknownDataSource
 
 
 def hang(data_source: str, response: str, ground_truth: str) -> tuple[float, bool, str]:
@@ -22,3 +24,17 @@ def flaky(data_source: str, response: str, ground_truth: str) -> tuple[float, bo
     if bucket == 1:
         raise RuntimeError("verifier bug")
     return 1.0, True, "accepted"
+
+
+ARITH = "arith"
+"""The data source ``even_truth`` scores: no verifier in dapo.rewards knows it."""
+
+
+def even_truth(data_source: str, response: str, ground_truth: str) -> tuple[float, bool, str]:
+    """Scores only ``ARITH`` rows: correct iff the ground truth is even, whatever the response, so an
+    evaluation scored by it has an accuracy known in advance (the fraction of even ground truths),
+    unlike any verifier's. Any other source is unscorable."""
+    if data_source != ARITH:
+        raise UnknownDataSource(f"even_truth scores data_source {ARITH!r} only, not {data_source!r}")
+    correct = int(ground_truth) % 2 == 0
+    return (1.0 if correct else -1.0), correct, "even" if correct else "odd"

@@ -22,6 +22,7 @@ import pytest
 from actors.evaluate import PromptResult, main, pass_at_k, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
 AIME = Path(__file__).resolve().parents[3] / "shared" / "data" / "aime-2024.parquet"
 CACHE_DIR = ROOT / ".cache" / "dapo"  # the repo's shared cache: the tiny model is built once for all tests
 
@@ -102,6 +103,13 @@ def test_unknown_data_source_lists_known_ones(tmp_path, capsys):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     err = _main_error(["builtin:tiny", str(path)], capsys)
     assert "my_new_bench" in err and "math_dapo" in err and "aime" in err
+    assert "set actor.reward_fn=module:function" in err  # the other fix
+
+
+def test_reward_fn_that_does_not_import_fails_before_the_engine(capsys):
+    err = _main_error(["builtin:tiny", "builtin", "actor.reward_fn=no_such_rewards:score"], capsys)
+    assert err.startswith("dapo eval: actor.reward_fn=no_such_rewards:score: module 'no_such_rewards' does not "
+                          "import here")
 
 
 def test_prompt_too_long_is_an_error_by_default(capsys):
@@ -156,7 +164,8 @@ def _check_every_verdict(report: dict) -> int:
 
 def _run_eval(args: list[str], out: Path) -> dict:
     cmd = [sys.executable, "-m", "actors.evaluate", *args, "--out", str(out), f"run.cache_dir={CACHE_DIR}"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=os.environ.copy(), capture_output=True, text=True, timeout=170)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}  # HERE: actor_rewards
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert set(report) == REPORT_KEYS
@@ -274,3 +283,25 @@ def test_builtin_heldout_matches_independent_hf_sampler(tmp_path, tiny_path):
     assert abs(overall["avg@k"] - hf_acc) < 0.15, (overall["avg@k"], hf_acc)
     # The per-data_source breakdown of a single-source dataset is the overall row.
     assert report["by_data_source"] == {task.DATA_SOURCE: overall}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_custom_reward_fn_scores_a_source_no_verifier_knows(tmp_path, tiny_path):
+    """One reward path: ``dapo eval`` scores with actor.reward_fn, as training does. ``even_truth``
+    accepts exactly the even ground truths of the source ``arith`` (unknown to dapo.rewards),
+    whatever the model wrote, so avg@k is known in advance."""
+    from dapo import task
+
+    rows = [dict(row, data_source="arith") for row in task.make_builtin_rows("eval", 10, seed=7)]
+    data = tmp_path / "arith.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    even = [int(r["reward_model"]["ground_truth"]) % 2 == 0 for r in rows]
+    assert 0 < sum(even) < len(rows)
+    k = 2
+    report = _run_eval(["builtin:tiny", str(data), "--k", str(k), "--max-response-tokens", "8",
+                        "actor.reward_fn=actor_rewards:even_truth"], tmp_path / "arith.json")
+    assert report["reward_fn"] == "actor_rewards:even_truth"
+    assert [p["acc"] for p in report["per_prompt"]] == [[e] * k for e in even]
+    assert report["overall"]["avg@k"] == sum(even) / len(rows)
+    assert report["verifier"] == {"calls": len(rows) * k, "errors": 0, "timeouts": 0}

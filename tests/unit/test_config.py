@@ -88,6 +88,28 @@ def test_invalid_values_name_the_key(override, key):
     assert key in str(err.value)
 
 
+@pytest.mark.parametrize("override", ["experiment=nonexistent", "+experiment=nonexistent", "experiment=null",
+                                      "algorithm=nonexistent", "algorithm=algorithm_schema"])
+def test_a_preset_that_does_not_exist_is_refused_with_the_list(override, capsys):
+    """Hydra ignored a missing option of the optional experiment group (the run silently was the
+    default one) and listed the schema node among algorithm's options."""
+    from dapo.cli import main
+
+    group, name = override.lstrip("+").split("=")
+    names = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+    assert len(names) >= 3 and name not in names
+    expected = (f"`{override}`: there is no such preset (dapo/conf/{group}/{name}.yaml); the {group} presets are "
+                f"{', '.join(names)}.")
+    with pytest.raises(ConfigError) as err:
+        load_config([override])
+    assert str(err.value) == expected
+    with pytest.raises(SystemExit) as exit_:
+        main(["config", override])
+    out = capsys.readouterr()
+    assert (exit_.value.code, out.out, out.err) == (2, "", f"dapo: {expected}\n")
+    assert load_config([f"{group}={names[0]}"])  # an existing one composes
+
+
 def test_errors_say_what_was_expected():
     with pytest.raises(ConfigError, match="could not be converted to Float"):
         load_config(["algorithm.eps_low=abc"])

@@ -1,18 +1,25 @@
 """learner.evaluate.Evaluator: the forked evaluation process scores exactly the weights submitted
-(the same result as sampling them in this process), and a dead process is an error, not a hang."""
+(the same result as sampling them in this process) with the run's ``actor.reward_fn``, each call
+under a deadline, and a dead process is an error, not a hang."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
 
+from dapo import task
 from dapo.config import load_config
 from dapo.data import build_dataset
 from dapo.evaluation import sampled_accuracy
+from dapo.rewards import score
 from learner.evaluate import EvaluationFailed, Evaluator
+
+REWARDS_DIR = Path(__file__).resolve().parents[1] / "integration"  # actor_rewards.py
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +39,7 @@ def setup():
 def _here(setup, state: dict) -> tuple[float, float]:
     cfg, _, tokenizer, model, prompts = setup
     model.load_state_dict(state, strict=False)
-    r = sampled_accuracy(model, tokenizer, prompts, max_new_tokens=cfg.actor.max_response_tokens,
+    r = sampled_accuracy(model, tokenizer, prompts, score_fn=score, max_new_tokens=cfg.actor.max_response_tokens,
                          temperature=cfg.actor.temperature, batch_size=128, seed=cfg.learner.seed)
     return r.accuracy, r.mean_response_tokens
 
@@ -87,3 +94,49 @@ def test_a_failed_evaluation_and_a_dead_process_are_errors_not_hangs(setup):
             evaluator.submit(model.state_dict(), 2)  # 1.4 MB: more than the pipe holds, so the write fails
     finally:
         evaluator.close()
+
+
+def _evaluate_once(cfg, path, tokenizer, model) -> dict[str, float]:
+    evaluator = Evaluator(cfg, path, tokenizer)
+    try:
+        evaluator.submit({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}, 0)
+        return evaluator.result(0, block=True)
+    finally:
+        evaluator.close()
+
+
+def test_held_out_accuracy_is_the_reward_fns_on_a_source_no_verifier_knows(setup, tmp_path, monkeypatch):
+    """One reward path: with actor.reward_fn set, held-out evaluation scores with it (the source
+    ``arith`` has no verifier in dapo.rewards; ``even_truth`` accepts exactly the even ground truths,
+    whatever the model wrote): the accuracy is the fraction of even ground truths, exactly."""
+    cfg, path, tokenizer, model, _ = setup
+    monkeypatch.syspath_prepend(str(REWARDS_DIR))
+    rows = [dict(row, data_source="arith") for row in task.make_builtin_rows("eval", 40, seed=5)]
+    data = tmp_path / "arith.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    even = sum(int(r["reward_model"]["ground_truth"]) % 2 == 0 for r in rows)
+    assert 0 < even < len(rows)
+    got = _evaluate_once(load_config([f"data.eval_path={data}", "actor.reward_fn=actor_rewards:even_truth"]),
+                         path, tokenizer, model)
+    assert (got["eval/accuracy"], got["eval/num_prompts"], got["eval/verifier_errors"]) == (even / len(rows), 40, 0)
+
+
+def test_a_hanging_reward_fn_costs_its_deadline_per_response_not_the_run(setup, monkeypatch):
+    cfg, path, tokenizer, model, _ = setup
+    monkeypatch.syspath_prepend(str(REWARDS_DIR))
+    got = _evaluate_once(load_config(["data.builtin_num_eval_prompts=6", "actor.reward_fn=actor_rewards:hang",
+                                      "actor.verifier_timeout_s=0.05"]), path, tokenizer, model)
+    assert (got["eval/accuracy"], got["eval/num_prompts"], got["eval/verifier_errors"]) == (0.0, 6, 6)
+
+
+@pytest.mark.parametrize("reward_fn, says", [
+    ("dapo.rewards:score", "data.eval_path=.*: no verifier for data_source 'arith' \\(3 rows\\).*set "
+                           "actor.reward_fn=module:function"),
+    ("no_such_module:score", "actor.reward_fn=no_such_module:score: module 'no_such_module' does not import")])
+def test_unscorable_held_out_set_fails_at_start_up(setup, tmp_path, reward_fn, says):
+    cfg, path, tokenizer, _, _ = setup
+    data = tmp_path / "arith.jsonl"
+    data.write_text("".join(json.dumps(dict(r, data_source="arith")) + "\n"
+                            for r in task.make_builtin_rows("eval", 3, seed=5)))
+    with pytest.raises(ValueError, match=says):
+        Evaluator(load_config([f"data.eval_path={data}", f"actor.reward_fn={reward_fn}"]), path, tokenizer)
