@@ -22,3 +22,10 @@ def flaky(data_source: str, response: str, ground_truth: str) -> tuple[float, bo
     if bucket == 1:
         raise RuntimeError("verifier bug")
     return 1.0, True, "accepted"
+
+
+def even_truth(data_source: str, response: str, ground_truth: str) -> tuple[float, bool, str]:
+    """Correct exactly when the (integer) ground truth is even, whatever the response: a held-out
+    accuracy known in advance (the fraction of even answers), every prompt scored once or not."""
+    correct = int(ground_truth) % 2 == 0
+    return (1.0 if correct else -1.0), correct, "even" if correct else "odd"
