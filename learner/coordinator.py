@@ -285,13 +285,17 @@ class Coordinator:
             self._eval_changed.notify_all()
             return outcome.get("accepted", 0)
 
-    def eval_result(self, version: int) -> tuple[dict[str, float], str] | None:
+    def eval_result(self, version: int, *, final: bool = False) -> tuple[dict[str, float], str] | None:
         """The metrics of ``version``'s evaluation and why it was dropped ('' = complete), once it is
-        closed (EvalJobs.result); None while it runs. Raises KeyError for a version not open."""
+        closed (EvalJobs.result); None while it runs. Raises KeyError for a version not open.
+        Stranded (no actor can finish it): newer weights are out and no actor holds ``version``; or,
+        when ``final`` (the learner waits at the end of the run: no actor joins any more), no actor
+        is registered at all (e.g. stopped before the learner, as `dapo run` does on Ctrl-C)."""
         with self._lock:
             self._expire_locked()
-            stranded = self.newest_version > version and all(
-                a.weight_version != version for a in self.registry.actors.values())
+            actors = self.registry.actors.values()
+            stranded = (all(a.weight_version != version for a in actors) and self.newest_version > version
+                        or final and not actors)
             result = self.eval_jobs.result(version, self._clock(), stranded=stranded)
             if result is not None:
                 self._count("eval_jobs_complete" if not result[1] else "eval_jobs_dropped")

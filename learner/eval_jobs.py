@@ -15,7 +15,7 @@ credit, no replay queue, no training audit. A lease not reported within ``lease_
 whose actor left or went silent) goes back to the job's pending prompts. A job is dropped, its
 metrics counting what was scored, after ``job_timeout_s``, or at once when it is stranded: prompts
 still pending, none leased, newer weights out and no actor at its version (an actor never loads an
-older version than the newest, so nobody can finish it).
+older version than the newest, so nobody can finish it), or at the end of the run no actor left.
 
 ``EvalJobs`` has no lock of its own: the Coordinator calls it under its lock, with its clock.
 """
@@ -163,7 +163,7 @@ class EvalJobs:
         why = "" if complete else (
             f"not complete after learner.eval_job_timeout_s={self.job_timeout_s:g}"
             if now_s - job.created_s >= self.job_timeout_s else
-            "no actor holds that version any more" if stranded and job.pending and not job.leased else None)
+            "no actor can sample that version any more" if stranded and job.pending and not job.leased else None)
         if why is None:
             return None
         self.close(version)
@@ -214,10 +214,12 @@ class ActorEvaluator:
 
     def result(self, version: int, *, block: bool = False) -> dict[str, float] | None:
         """The metrics of a submitted version: None while it runs (``block``: wait until it is
-        closed). Raises EvaluationFailed when ``block`` finds a dropped job with nothing scored."""
+        closed; the learner blocks at the end of the run only). Raises EvaluationFailed when ``block``
+        finds a job timed out with nothing scored: actors were there and delivered nothing. A job
+        stranded because no actor is left is logged only (the launcher stops actors first on Ctrl-C)."""
         if version in self._results or version not in self._open:
             return self._results.pop(version, None)
-        while (closed := self.coordinator.eval_result(version)) is None:
+        while (closed := self.coordinator.eval_result(version, final=block)) is None:
             if not block:
                 return None
             self.coordinator.wait_eval_complete(version, POLL_S)
@@ -229,7 +231,7 @@ class ActorEvaluator:
         self.dropped += 1
         print(f"learner: evaluation of version {version} on the actors dropped ({why}): "
               f"{values['eval/num_prompts']:.0f} of {len(self.prompts)} held-out prompts scored", flush=True)
-        if block and not values["eval/num_prompts"]:
+        if block and not values["eval/num_prompts"] and why.startswith("not complete"):
             from learner.evaluate import EvaluationFailed
 
             raise EvaluationFailed(

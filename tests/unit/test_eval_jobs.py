@@ -183,7 +183,7 @@ def test_a_job_nobody_can_finish_is_dropped_with_what_was_scored(capsys):
     coord.heartbeat(actor, 1)  # it moved on: nobody holds version 0 any more
     r = evaluator.result(0)
     assert (r["eval/num_prompts"], r["eval/accuracy"]) == (2.0, 0.5)
-    assert "evaluation of version 0 on the actors dropped (no actor holds that version any more): 2 of 4" \
+    assert "evaluation of version 0 on the actors dropped (no actor can sample that version any more): 2 of 4" \
         in capsys.readouterr().out
     # Version 1: nobody scores anything; the timeout closes it, and at the end of the run that is an error.
     clock.t += JOB_TIMEOUT_S
@@ -192,6 +192,22 @@ def test_a_job_nobody_can_finish_is_dropped_with_what_was_scored(capsys):
     assert coord.counters()["eval_jobs_dropped"] == 2
 
 
+@pytest.mark.timeout(30)  # a wait for the job timeout would never end: this clock does not move
+def test_the_final_wait_does_not_hang_when_the_actors_were_stopped_first(capsys):
+    coord = coordinator(Clock())
+    evaluator = ActorEvaluator(coord, HELD_OUT)
+    actor = coord.register("a")
+    evaluator.submit({}, 0)
+    grants = coord.lease(actor, 1, 0).eval_leases
+    assert evaluator.result(0) is None  # during the run, an actor may still come and take them
+    coord.leave(actor)  # Ctrl-C: `dapo run` stops the actors before the learner
+    t0 = time.monotonic()
+    r = evaluator.result(0, block=True)
+    assert time.monotonic() - t0 < 0.5 and r["eval/num_prompts"] == 0.0 and "eval/accuracy" not in r
+    assert f"dropped (no actor can sample that version any more): 0 of {len(grants)}" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(30)
 def test_a_blocking_result_returns_as_soon_as_the_last_prompt_is_reported():
     coord = coordinator(Clock())
     evaluator = ActorEvaluator(coord, HELD_OUT)
