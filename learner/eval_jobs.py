@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 EvalPrompt = tuple[list[int], str, str]
 """(prompt token ids, data_source, ground_truth)."""
@@ -65,6 +65,7 @@ class EvalJob:
     done_s: float | None = None
     """Clock time when the last prompt was scored (None while any is missing)."""
     done_unix_s: float = 0.0
+    """Wall time of the same moment (metrics' time/eval_done_unix_s, as learner/evaluate.py logs it)."""
 
 
 class EvalJobs:
@@ -135,7 +136,7 @@ class EvalJobs:
         """Eval leases older than ``lease_timeout_s`` back to pending. Returns how many."""
         return self._release(lambda _holder, issued: now_s - issued > self.lease_timeout_s)
 
-    def _release(self, lost: Any) -> int:
+    def _release(self, lost: Callable[[int, float], bool]) -> int:
         n = 0
         for job in self.jobs.values():
             for lease_id, (index, holder, issued) in list(job.leased.items()):
