@@ -13,6 +13,9 @@
                                                 |
                                            generate()          engine: G samples per prompt,
                                                 |              log-probs, per-token versions
+                                           (eval leases in the reply: evaluate() first, one
+                                            sample each at their version, same verifier,
+  Coordinator <-- ReportEval -------------  results reported; no weight update in between)
                                            score_and_shape()   verifier worker process with a
                                                 |              deadline; + overlong penalty
   ReplayQueue (ZMQ PULL) <-- frames ------ push()              PUSH, HWM, send deadline;
@@ -60,6 +63,8 @@ log = logging.getLogger(__name__)
 # How long a push follower that has received before is given to deliver an announced version before
 # the actor fetches it over the network path (the broadcast was sent before the announcement).
 PUSH_WAIT_S = 1.0
+EVAL_SEED_TAG = 0xE7A1
+"""Mixed into eval batches' sampling seeds, apart from training batches' (SeedSequence of actor.seed, version)."""
 
 
 @dataclass
@@ -86,6 +91,8 @@ class Actor:
         self.session: Session | None = None
         self.latest_version = 0
         self.batch_index = 0
+        self.eval_leases: list[pb.EvalLease] = []
+        """Held-out prompts of the last Lease reply, to sample at their version before anything else."""
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         self.generations = GenerationLog(Path(cfg.run.run_dir),
                                           f"generations-{socket.gethostname()}-{os.getpid()}.jsonl")
@@ -101,6 +108,8 @@ class Actor:
                         break
                     self.update_weights(initial=True)
                 leases = self.lease()
+                if self.eval_leases:
+                    self.evaluate()
                 if not leases:
                     continue
                 samples = self.generate(leases)
@@ -225,13 +234,15 @@ class Actor:
             self.metrics.add_time("lease" if resp is not None and resp.leases else "lease_wait",
                                   time.perf_counter() - start)
         self.latest_version = max(self.latest_version, resp.latest_version)
+        self.eval_leases = list(resp.eval_leases)
         if resp.leases:
             self.metrics.add("leases_granted", len(resp.leases))
             return list(resp.leases)
         if resp.denial == pb.LEASE_DENIAL_SHUTTING_DOWN:
             log.info("the run is stopping; leaving")
             self.stop.set()
-        elif resp.denial != pb.LEASE_DENIAL_WEIGHTS_UNUSABLE and self.latest_version <= self.engine.version:
+        elif (not self.eval_leases and resp.denial != pb.LEASE_DENIAL_WEIGHTS_UNUSABLE
+              and self.latest_version <= self.engine.version):
             # Else weights to load (unusable ones, or older than the published version, retry 0):
             # no wait, the next lease() loads them first.
             with self.metrics.stage("lease_wait"):
@@ -255,6 +266,36 @@ class Actor:
         self.metrics.add("samples_generated", len(samples))
         self.metrics.add("tokens_generated", sum(s.num_tokens for s in samples))
         return groups
+
+    def evaluate(self) -> None:
+        """Sample each eval lease once with the weights it names, pinned (no in-flight update in
+        this batch), score it with the verifier training uses, and report the results."""
+        evals, self.eval_leases = self.eval_leases, []
+        session, version = self._session(), evals[0].version
+        if any(e.version != self.engine.version for e in evals):  # the Lease named the engine's weights
+            log.warning("eval leases for version %d but the engine holds %d; not sampled (they expire)",
+                        version, self.engine.version)
+            return
+        run = session.run
+        # One seed per version (not per actor): a re-issued prompt draws the same noise on a torch engine.
+        seed = int(np.random.SeedSequence([self.cfg.actor.seed, version, EVAL_SEED_TAG]).generate_state(1)[0] % (2**31))
+        with self.metrics.stage("evaluate"):
+            samples = [g[0] for g in self.engine.generate(
+                [list(e.prompt_token_ids) for e in evals], n=1, max_tokens=run.max_response_tokens,
+                temperature=run.temperature, top_p=run.top_p, seed=seed)]
+            if self.stop.is_set():
+                return
+            verdicts = self.verifier.score_many([(e.data_source, self.decode(s.token_ids), e.ground_truth)
+                                                 for e, s in zip(evals, samples)])
+        self.metrics.add("eval_prompts_sampled", len(evals))
+        results = [pb.EvalResult(eval_lease_id=e.eval_lease_id, score=v.reward, correct=v.acc,
+                                 response_tokens=s.num_tokens, truncated=s.finish_reason == "length")
+                   for e, s, v in zip(evals, samples, verdicts)]
+        resp = self.client.call("ReportEval", pb.ReportEvalRequest(actor_id=session.actor_id, version=version,
+                                                                   results=results))
+        if resp.num_accepted < len(results):  # e.g. leases that expired meanwhile: the learner counts why
+            self.metrics.add("eval_results_refused", len(results) - resp.num_accepted)
+            log.info("the learner kept %d of %d eval results of version %d", resp.num_accepted, len(results), version)
 
     def score_and_shape(self, leases: list[pb.PromptLease], groups: list[list[Sample]]) -> list[TrajectoryGroup]:
         session = self._session()

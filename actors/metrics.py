@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 COUNTERS = ("groups_pushed", "samples_generated", "tokens_generated", "verifier_errors", "verifier_timeouts",
             "weight_loads", "weight_loads_collective", "push_failures", "leases_granted", "leases_returned",
-            "registrations", "learner_lost", "learner_unreachable")
+            "registrations", "learner_lost", "learner_unreachable", "eval_prompts_sampled", "eval_results_refused")
 """Counter names (all start at 0)."""
 IDLE_STAGES = {"lease_wait": ("lease_wait",), "weight_wait": ("fetch_weights", "load_weights", "weight_wait"),
                "learner_wait": ("learner_wait",)}
@@ -46,7 +46,7 @@ class ActorMetrics:
         self._start = time.monotonic()
         self.counters: dict[str, int] = {k: 0 for k in COUNTERS}
         self.stage_s: dict[str, float] = defaultdict(float)
-        """Seconds spent per stage (``lease``, ``generate``, ``score``, ``push``, ``fetch_weights``,
+        """Seconds spent per stage (``lease``, ``generate``, ``score``, ``push``, ``evaluate``, ``fetch_weights``,
         ``load_weights``, and the idle ones of IDLE_STAGES)."""
         self.last_stage_s: dict[str, float] = {}
         self.weight_version = 0

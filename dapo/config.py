@@ -268,7 +268,26 @@ class LearnerConfig:
     resume: str = ""
     """Checkpoint folder to resume from ('' = fresh start); ``latest`` picks the newest in run_dir."""
     eval_every_steps: int = 20
-    """Held-out evaluation every K steps, on rank 0 (0 = off)."""
+    """Held-out evaluation every K steps and of the initial version (0 = off)."""
+    eval_on: str = "learner"
+    """Where the held-out set is sampled (one sample per prompt at ``actor.temperature``):
+    ``learner``: a process forked from rank 0 with an fp32 HF copy of the model (transformers
+    generate, scored by dapo.rewards; fine for the tiny default, CPU-heavy for a real model);
+    ``actors``: the rollout engines, as eval leases in Lease replies to actors whose weights are
+    the evaluated version, scored by their verifier (``actor.reward_fn``); no fork, no copy on
+    the learner (learner/eval_jobs.py)."""
+    eval_prompts_per_lease: int = 256
+    """``eval_on=actors``: most held-out prompts in one Lease reply, i.e. one eval batch of the
+    engine (one sample each). At least the held-out size lets one actor take a whole version's
+    evaluation in one batch, before it moves on to newer weights."""
+    eval_lease_timeout_s: float = 120.0
+    """``eval_on=actors``: an eval lease not reported this long after it was issued goes back to
+    be issued again (an actor that leaves or misses its heartbeats gives its back at once), in seconds."""
+    eval_job_timeout_s: float = 600.0
+    """``eval_on=actors``: a version's evaluation not complete this long after it was submitted is
+    dropped, and its metrics count the prompts scored by then (``eval/num_prompts``); also dropped
+    as soon as no actor can finish it (no actor holds that version any more and newer weights are
+    out). Step records after it wait for it in metrics.jsonl, training does not; in seconds."""
     collective_timeout_s: float = 120.0
     """Timeout for every learner collective (gloo/NCCL), in seconds."""
     batch_wait_timeout_s: float = 600.0
@@ -303,6 +322,11 @@ class LearnerConfig:
         _check(self.grad_clip >= 0, "learner.grad_clip", self.grad_clip, ">= 0")
         _check(self.total_steps >= 0, "learner.total_steps", self.total_steps, ">= 0")
         _check(self.collective_timeout_s > 0, "learner.collective_timeout_s", self.collective_timeout_s, "> 0")
+        _check(self.eval_on in ("learner", "actors"), "learner.eval_on", self.eval_on, "learner or actors")
+        _check(1 <= self.eval_prompts_per_lease <= 4096, "learner.eval_prompts_per_lease", self.eval_prompts_per_lease,
+               "1..4096 (one ReportEval call carries at most 4096 results)")
+        _check(self.eval_lease_timeout_s > 0, "learner.eval_lease_timeout_s", self.eval_lease_timeout_s, "> 0")
+        _check(self.eval_job_timeout_s > 0, "learner.eval_job_timeout_s", self.eval_job_timeout_s, "> 0")
 
 
 @dataclass

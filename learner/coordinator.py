@@ -12,6 +12,9 @@ Publication: ``begin_publish(v)`` before weights v can reach any actor, ``set_ve
 they are published. In between, an actor already holding v (a collective member received it, a
 registering actor fetched it) may lease, and its groups are admitted (``newest_version``).
 
+Held-out evaluation through the actors (``learner.eval_on=actors``): eval jobs and their eval
+leases (learner/eval_jobs.py), handed out with Lease replies, outside the ledger and the slots.
+
 Thread-safe (one lock; the gRPC servicer, the replay receiver and the learner call in). No
 threads of its own: expiry runs lazily at the start of every call, against an injectable clock.
 """
@@ -27,6 +30,7 @@ import numpy as np
 
 from dapo.config import DapoConfig
 from learner.admission import Admission
+from learner.eval_jobs import EvalJobs, EvalPrompt, EvalScore
 from learner.leases import HeartbeatReply, Lease, LeaseReply, LeaseResult
 from learner.ledger import SETTLED, PromptLedger, PromptSource
 from learner.registry import ActorInfo, ActorRegistry, UnknownActor
@@ -36,7 +40,7 @@ class Coordinator:
     def __init__(self, source: PromptSource, *, num_prompts_per_step: int, max_staleness_steps: int,
                  queue_max_groups: int, heartbeat_timeout_s: float, lease_timeout_s: float,
                  lease_retry_after_s: float = 0.25, seed: int = 0, max_epochs: int = 0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 eval_jobs: EvalJobs | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         if queue_max_groups < 1:
             raise ValueError(f"Coordinator: need queue_max_groups >= 1, got {queue_max_groups}")
         self.admission = Admission(num_prompts_per_step, max_staleness_steps)
@@ -45,11 +49,13 @@ class Coordinator:
         self.queue_max_groups = queue_max_groups
         self.lease_timeout_s = lease_timeout_s
         self.lease_retry_after_s = lease_retry_after_s
+        self.eval_jobs = eval_jobs or EvalJobs()
         self.run_id = secrets.token_hex(8)
         self._clock = clock
         self._lock = threading.RLock()
         self._actors_changed = threading.Condition(self._lock)
         self._version_changed = threading.Condition(self._lock)
+        self._eval_changed = threading.Condition(self._lock)
         self.version = 0  # the published policy version: only set_version and load_state_dict change it
         self._publishing = 0  # > version while begin_publish(v) waits for set_version(v)
         self._shutdown = False
@@ -57,11 +63,13 @@ class Coordinator:
 
     @classmethod
     def from_config(cls, cfg: DapoConfig, source: PromptSource, **kwargs: Any) -> "Coordinator":
-        t, a = cfg.transport, cfg.algorithm
+        t, a, lrn = cfg.transport, cfg.algorithm, cfg.learner
+        eval_jobs = EvalJobs(max_per_reply=lrn.eval_prompts_per_lease, lease_timeout_s=lrn.eval_lease_timeout_s,
+                             job_timeout_s=lrn.eval_job_timeout_s, max_response_tokens=cfg.actor.max_response_tokens)
         return cls(source, num_prompts_per_step=a.num_prompts_per_step, max_staleness_steps=a.max_staleness_steps,
                    queue_max_groups=t.queue_max_groups, heartbeat_timeout_s=t.heartbeat_timeout_s,
                    lease_timeout_s=t.lease_timeout_s, lease_retry_after_s=t.lease_retry_after_s,
-                   seed=cfg.run.seed, **kwargs)
+                   seed=cfg.run.seed, eval_jobs=eval_jobs, **kwargs)
 
     @property
     def newest_version(self) -> int:
@@ -168,7 +176,11 @@ class Coordinator:
                 grants.append(ledger.grant(lease))
             if denial:
                 self._count(f"lease_denied/{denial}")
-            return LeaseResult(grants, denial, self._retry_after_s(denial, weight_version), self.version)
+            # Eval leases whatever the training denial: they take no slot and no queue credit.
+            evals = [] if self._shutdown else self.eval_jobs.issue(actor.actor_id, weight_version, self._clock())
+            if evals:
+                self._count("eval_leases_issued", len(evals))
+            return LeaseResult(grants, denial, self._retry_after_s(denial, weight_version), self.version, evals)
 
     def _retry_after_s(self, denial: str, weight_version: int) -> float:
         """0 where the actor should act at once: all granted, or weights to load first (unusable
@@ -256,6 +268,52 @@ class Coordinator:
             name = {"filtered": "groups_filtered", "stale": "groups_requeued_stale", "trained": "groups_trained"}
             self._count(name[outcome], len(prompt_ids))
 
+    # -- held-out evaluation through the actors (learner/eval_jobs.py) ----------------------------
+    def add_eval_job(self, version: int, prompts: Sequence[EvalPrompt]) -> None:
+        """Open the evaluation of ``version``: call it before weights ``version`` can reach an actor."""
+        with self._lock:
+            self.eval_jobs.add(version, prompts, self._clock())
+            self._count("eval_jobs_opened")
+
+    def report_eval(self, actor_id: int, version: int, scores: Sequence[EvalScore]) -> int:
+        """An actor's eval results: each one kept or counted and dropped. Returns how many were kept."""
+        with self._lock:
+            self._touch(actor_id)
+            outcome = self.eval_jobs.report(actor_id, version, scores, self._clock())
+            for reason, n in outcome.items():
+                self._count("eval_results_accepted" if reason == "accepted" else f"eval_results_dropped/{reason}", n)
+            self._eval_changed.notify_all()
+            return outcome.get("accepted", 0)
+
+    def eval_result(self, version: int, *, final: bool = False) -> tuple[dict[str, float], str] | None:
+        """The metrics of ``version``'s evaluation and why it was dropped ('' = complete), once it is
+        closed (EvalJobs.result); None while it runs. Raises KeyError for a version not open.
+        Stranded (no actor can finish it): newer weights are out and no actor holds ``version``; or,
+        when ``final`` (the learner waits at the end of the run: no actor joins any more), no actor
+        is registered at all (e.g. stopped before the learner, as `dapo run` does on Ctrl-C)."""
+        with self._lock:
+            self._expire_locked()
+            actors = self.registry.actors.values()
+            stranded = (all(a.weight_version != version for a in actors) and self.newest_version > version
+                        or final and not actors)
+            result = self.eval_jobs.result(version, self._clock(), stranded=stranded)
+            if result is not None:
+                self._count("eval_jobs_complete" if not result[1] else "eval_jobs_dropped")
+            return result
+
+    def wait_eval_complete(self, version: int, timeout_s: float) -> bool:
+        """Block until every prompt of ``version`` is scored, at most ``timeout_s`` of real time."""
+        with self._lock:
+            return self._eval_changed.wait_for(lambda: self.eval_jobs.complete(version), timeout_s)
+
+    def drop_eval_jobs(self) -> int:
+        """Close every open evaluation (the learner stops); returns how many were open."""
+        with self._lock:
+            versions = list(self.eval_jobs.jobs)
+            for version in versions:
+                self.eval_jobs.close(version)
+            return len(versions)
+
     def counters(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counters)
@@ -302,11 +360,15 @@ class Coordinator:
             self._count("actors_expired")
         for lease in self.ledger.timed_out(self._clock(), self.lease_timeout_s):
             self._reissue_locked(lease, "leases_expired_timeout")
+        if expired := self.eval_jobs.expire(self._clock()):
+            self._count("eval_leases_expired_timeout", expired)
 
     def _drop_actor_locked(self, actor: ActorInfo, counter: str) -> int:
         n = len(actor.lease_ids)
         for lease_id in sorted(actor.lease_ids):
             self._reissue_locked(self.ledger.active[lease_id], counter)
+        if returned := self.eval_jobs.release_actor(actor.actor_id):
+            self._count(f"eval_{counter}", returned)
         del self.registry.actors[actor.actor_id]
         self._actors_changed.notify_all()
         return n

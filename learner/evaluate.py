@@ -44,6 +44,10 @@ class EvaluationFailed(RuntimeError):
 
 
 class Evaluator:
+    submits_before_publish = False
+    """``submit`` copies the published weights and waits for the previous evaluation: after the
+    publish, off the actors' path (learner/loop.py publish_version)."""
+
     def __init__(self, cfg: DapoConfig, model_path: Path, tokenizer: Any) -> None:
         from dapo.data import build_dataset
 

@@ -29,6 +29,7 @@ import grpc
 
 from dapo.config import DapoConfig
 from learner.coordinator import Coordinator
+from learner.eval_jobs import EvalScore
 from learner.leases import LEASE_DENIALS, LeaseResult
 from learner.registry import UnknownActor
 from protos import AUTH_METADATA_KEY
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 MAX_PROMPTS_PER_LEASE = 1024
 MAX_NAME_CHARS = 256
 MAX_LEASE_IDS_PER_RETURN = 4096
+MAX_EVAL_RESULTS_PER_REPORT = 4096
 SERVER_THREADS = 8
 MAX_CONCURRENT_RPCS = 1024
 """Calls beyond this (executing + queued) are shed with RESOURCE_EXHAUSTED, which actors retry.
@@ -235,14 +237,18 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             leases=[pb.PromptLease(lease_id=g.lease_id, prompt_id=g.prompt_id, prompt_token_ids=g.prompt_token_ids,
                                    data_source=g.data_source, ground_truth=g.ground_truth) for g in result.leases],
             retry_after_s=result.retry_after_s, denial=DENIAL_TO_PB[result.denial],
-            latest_version=result.latest_version)
+            latest_version=result.latest_version,
+            eval_leases=[pb.EvalLease(eval_lease_id=e.eval_lease_id, version=e.version,
+                                      prompt_token_ids=e.prompt_token_ids, data_source=e.data_source,
+                                      ground_truth=e.ground_truth) for e in result.eval_leases])
 
     @staticmethod
     def _waits_for_a_version(result: LeaseResult) -> bool:
         """Refused by the staleness bound with weights as new as the published version (retry > 0):
         only the next version frees slots for it. One with older weights (retry 0) is answered at
-        once, to load the published version."""
-        return not result.leases and result.denial == "staleness_bound" and result.retry_after_s > 0
+        once, to load the published version, and so is one with eval leases (work to do now)."""
+        return (not result.leases and not result.eval_leases and result.denial == "staleness_bound"
+                and result.retry_after_s > 0)
 
     def _long_poll(self, request: pb.LeaseRequest, result: LeaseResult, wait_s: float) -> LeaseResult:
         """The Lease long poll: wait here, at most ``wait_s``, for the next version and lease again
@@ -278,6 +284,15 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                  f"{len(request.lease_ids)} lease ids, at most {MAX_LEASE_IDS_PER_RETURN} per call")
         return pb.ReturnLeasesResponse(num_returned=self.coordinator.return_leases(request.actor_id,
                                                                                    list(request.lease_ids)))
+
+    def ReportEval(self, request: pb.ReportEvalRequest, context: grpc.ServicerContext) -> pb.ReportEvalResponse:
+        _require(len(request.results) <= MAX_EVAL_RESULTS_PER_REPORT,
+                 f"{len(request.results)} eval results, at most {MAX_EVAL_RESULTS_PER_REPORT} per call")
+        _require(request.version >= 0, f"version = {request.version}, expected >= 0")
+        scores = [EvalScore(r.eval_lease_id, r.score, r.correct, r.response_tokens, r.truncated)
+                  for r in request.results]  # each checked (and counted when dropped) by the coordinator
+        return pb.ReportEvalResponse(num_accepted=self.coordinator.report_eval(request.actor_id, request.version,
+                                                                               scores))
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveResponse:
         return pb.LeaveResponse(num_leases_returned=self.coordinator.leave(request.actor_id))

@@ -31,8 +31,10 @@ wasted work but never a prompt trained twice or lost.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
+
+from learner.eval_jobs import EvalGrant
 
 LEASE_DENIALS = ("staleness_bound", "weights_unusable", "data_exhausted", "queue_full", "shutting_down")
 """Why ``lease`` granted fewer prompts than asked ("" = all granted)."""
@@ -54,6 +56,8 @@ class LeaseResult:
     """'' when every asked-for prompt was granted, else one of LEASE_DENIALS."""
     retry_after_s: float
     latest_version: int
+    eval_leases: list[EvalGrant] = field(default_factory=list)
+    """Held-out prompts to sample at the actor's weight version (learner/eval_jobs.py); never replayed."""
 
 
 class HeartbeatReply(NamedTuple):

@@ -8,8 +8,9 @@
                                           train        π_prox, M mini-batches × micro-batches, AdamW
                                           gather       full state dict -> rank 0
  publisher: SENDERS[weights.backend]   <─ publish      version v+1; coordinator.set_version
- evaluator (every K steps, sampled)                    (rank 0, a forked process: training goes on;
-                                                        step records wait in order for its result)
+ evaluator (every K steps, sampled)                    (rank 0, a forked process, or eval leases to
+                                                        the actors: training goes on; step records
+                                                        wait in order for its result)
                                           checkpoint   every K steps (DCP + coordinator state)
  metrics.jsonl, trained_prompts.jsonl  <─ log          (the audit line is written before publish)
 ```
@@ -86,11 +87,7 @@ def run(cfg: DapoConfig, trainer: Trainer, services: Rank0Services | None, *, st
             try:
                 with open(services.audit_path, "a") as f:  # before publish/checkpoint: the audit never lags
                     f.write(json.dumps({"step": step, "prompt_ids": [int(g.prompt_id) for g in groups]}) + "\n")
-                with timed(t, "publish"):
-                    pub = publish(services, state_dict, step)
-                if evaluating:  # off the critical path: the weights are copied, the next step starts now
-                    with timed(t, "eval_submit"):
-                        services.evaluator.submit(state_dict, step)
+                pub = publish_version(services, state_dict, step, evaluating, t)
             except Exception as exc:  # noqa: BLE001 - every rank raises it at the next broadcast
                 failure = exc
         if cfg.learner.checkpoint_every_steps and step % cfg.learner.checkpoint_every_steps == 0:
@@ -195,11 +192,27 @@ def publish(services: Rank0Services | None, state_dict: dict[str, torch.Tensor],
     return out
 
 
+def publish_version(services: Rank0Services, state_dict: dict[str, torch.Tensor], version: int, evaluate: bool,
+                    times: dict[str, float]) -> dict[str, float]:
+    """``publish``, and with ``evaluate`` submit the version to the evaluator: the forked one after
+    the publish (off the critical path: it copies the weights, the next step starts now), the actors'
+    one before it (its eval job must be open before any actor can hold the version)."""
+    evaluator = services.evaluator if evaluate else None
+    first = evaluator is not None and evaluator.submits_before_publish
+    if first:
+        with timed(times, "eval_submit"):
+            evaluator.submit(state_dict, version)
+    with timed(times, "publish"):
+        out = publish(services, state_dict, version)
+    if evaluator is not None and not first:
+        with timed(times, "eval_submit"):
+            evaluator.submit(state_dict, version)
+    return out
+
+
 def publish_initial(services: Rank0Services, state_dict: dict[str, torch.Tensor], step: int) -> None:
     """Version ``step`` before the first training step: actors sync to it; eval gives the curve's start."""
-    publish(services, state_dict, step)
-    if services.evaluator is not None:
-        services.evaluator.submit(state_dict, step)
+    publish_version(services, state_dict, step, services.evaluator is not None, {})
     hold(services, step, {"version": float(step)}, awaits_eval=services.evaluator is not None)
     flush_records(services)
 

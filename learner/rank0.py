@@ -13,6 +13,7 @@ from protos.transports import resolve_backend
 
 if TYPE_CHECKING:  # imported where they are built: a rank > 0 never loads gRPC, ZMQ or the publisher
     from learner.coordinator import Coordinator
+    from learner.eval_jobs import ActorEvaluator
     from learner.evaluate import Evaluator
     from learner.grpc_server import CoordinatorServer
     from learner.metrics import MetricsLogger
@@ -32,8 +33,8 @@ class Rank0Services:
     """trained_prompts.jsonl: one line per step {step, prompt_ids} (the exactly-once audit)."""
     server: CoordinatorServer | None = None
     """Stopped at teardown."""
-    evaluator: Evaluator | None = None
-    """None when learner.eval_every_steps = 0."""
+    evaluator: Evaluator | ActorEvaluator | None = None
+    """None when learner.eval_every_steps = 0; learner.eval_on picks which."""
     held_records: list[tuple[int, dict[str, float], bool]] = field(default_factory=list)
     """Step records not logged yet, in step order: (step, values, awaits its evaluation)."""
 
@@ -63,7 +64,7 @@ def start_services(cfg: DapoConfig, model_path: Path, run_state: dict,
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts = build_dataset(cfg, "train", tokenizer)
     evaluator = None
-    if cfg.learner.eval_every_steps:  # first: it forks its process before the services start threads
+    if cfg.learner.eval_every_steps and cfg.learner.eval_on == "learner":  # first: it forks before threads start
         from learner.evaluate import Evaluator
 
         evaluator = Evaluator(cfg, model_path, tokenizer)
@@ -91,6 +92,12 @@ def _start(cfg: DapoConfig, model_path: Path, run_state: dict, device: torch.dev
     coordinator = Coordinator.from_config(cfg, _Source(prompts))
     if "coordinator" in run_state:
         coordinator.load_state_dict(run_state["coordinator"])
+    if cfg.learner.eval_every_steps and cfg.learner.eval_on == "actors":
+        from dapo.data import build_dataset
+        from learner.eval_jobs import ActorEvaluator
+
+        held_out = build_dataset(cfg, "eval", tokenizer)  # here: a bad held-out set stops the start-up
+        evaluator = ActorEvaluator(coordinator, [_Source(held_out).get(i) for i in range(len(held_out))])
     # The model's vocabulary (embedding rows; may exceed the tokenizer's): a token id at or past it
     # would crash the learner's log-prob gather, so the queue rejects such groups.
     vocab_size = AutoConfig.from_pretrained(model_path).get_text_config().vocab_size

@@ -151,16 +151,62 @@ class PromptLease(_message.Message):
     def __init__(self, lease_id: _Optional[int] = ..., prompt_id: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., data_source: _Optional[str] = ..., ground_truth: _Optional[str] = ...) -> None: ...
 
 class LeaseResponse(_message.Message):
-    __slots__ = ("leases", "retry_after_s", "denial", "latest_version")
+    __slots__ = ("leases", "retry_after_s", "denial", "latest_version", "eval_leases")
     LEASES_FIELD_NUMBER: _ClassVar[int]
     RETRY_AFTER_S_FIELD_NUMBER: _ClassVar[int]
     DENIAL_FIELD_NUMBER: _ClassVar[int]
     LATEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EVAL_LEASES_FIELD_NUMBER: _ClassVar[int]
     leases: _containers.RepeatedCompositeFieldContainer[PromptLease]
     retry_after_s: float
     denial: LeaseDenial
     latest_version: int
-    def __init__(self, leases: _Optional[_Iterable[_Union[PromptLease, _Mapping]]] = ..., retry_after_s: _Optional[float] = ..., denial: _Optional[_Union[LeaseDenial, str]] = ..., latest_version: _Optional[int] = ...) -> None: ...
+    eval_leases: _containers.RepeatedCompositeFieldContainer[EvalLease]
+    def __init__(self, leases: _Optional[_Iterable[_Union[PromptLease, _Mapping]]] = ..., retry_after_s: _Optional[float] = ..., denial: _Optional[_Union[LeaseDenial, str]] = ..., latest_version: _Optional[int] = ..., eval_leases: _Optional[_Iterable[_Union[EvalLease, _Mapping]]] = ...) -> None: ...
+
+class EvalLease(_message.Message):
+    __slots__ = ("eval_lease_id", "version", "prompt_token_ids", "data_source", "ground_truth")
+    EVAL_LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DATA_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    GROUND_TRUTH_FIELD_NUMBER: _ClassVar[int]
+    eval_lease_id: int
+    version: int
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    data_source: str
+    ground_truth: str
+    def __init__(self, eval_lease_id: _Optional[int] = ..., version: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., data_source: _Optional[str] = ..., ground_truth: _Optional[str] = ...) -> None: ...
+
+class EvalResult(_message.Message):
+    __slots__ = ("eval_lease_id", "score", "correct", "response_tokens", "truncated")
+    EVAL_LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    CORRECT_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    eval_lease_id: int
+    score: float
+    correct: bool
+    response_tokens: int
+    truncated: bool
+    def __init__(self, eval_lease_id: _Optional[int] = ..., score: _Optional[float] = ..., correct: _Optional[bool] = ..., response_tokens: _Optional[int] = ..., truncated: _Optional[bool] = ...) -> None: ...
+
+class ReportEvalRequest(_message.Message):
+    __slots__ = ("actor_id", "version", "results")
+    ACTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    actor_id: int
+    version: int
+    results: _containers.RepeatedCompositeFieldContainer[EvalResult]
+    def __init__(self, actor_id: _Optional[int] = ..., version: _Optional[int] = ..., results: _Optional[_Iterable[_Union[EvalResult, _Mapping]]] = ...) -> None: ...
+
+class ReportEvalResponse(_message.Message):
+    __slots__ = ("num_accepted",)
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    num_accepted: int
+    def __init__(self, num_accepted: _Optional[int] = ...) -> None: ...
 
 class ReturnLeasesRequest(_message.Message):
     __slots__ = ("actor_id", "lease_ids")

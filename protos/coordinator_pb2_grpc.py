@@ -59,6 +59,11 @@ class CoordinatorStub:
                 request_serializer=protos_dot_coordinator__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=protos_dot_coordinator__pb2.LeaveResponse.FromString,
                 _registered_method=True)
+        self.ReportEval = channel.unary_unary(
+                '/dapo.v1.Coordinator/ReportEval',
+                request_serializer=protos_dot_coordinator__pb2.ReportEvalRequest.SerializeToString,
+                response_deserializer=protos_dot_coordinator__pb2.ReportEvalResponse.FromString,
+                _registered_method=True)
         self.Status = channel.unary_unary(
                 '/dapo.v1.Coordinator/Status',
                 request_serializer=protos_dot_coordinator__pb2.StatusRequest.SerializeToString,
@@ -119,6 +124,15 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportEval(self, request, context):
+        """Results of held-out evaluation prompts (LeaseResponse.eval_leases), once per sampled batch.
+        Results that are not for an active eval lease of this actor and version, or out of range, are
+        counted and dropped one by one (the others are kept); only an oversized request is rejected.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Status(self, request, context):
         """Run state for operators and tests. Needs the token like every other call.
         """
@@ -169,6 +183,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=protos_dot_coordinator__pb2.LeaveRequest.FromString,
                     response_serializer=protos_dot_coordinator__pb2.LeaveResponse.SerializeToString,
+            ),
+            'ReportEval': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportEval,
+                    request_deserializer=protos_dot_coordinator__pb2.ReportEvalRequest.FromString,
+                    response_serializer=protos_dot_coordinator__pb2.ReportEvalResponse.SerializeToString,
             ),
             'Status': grpc.unary_unary_rpc_method_handler(
                     servicer.Status,
@@ -321,6 +340,33 @@ class Coordinator:
             '/dapo.v1.Coordinator/Leave',
             protos_dot_coordinator__pb2.LeaveRequest.SerializeToString,
             protos_dot_coordinator__pb2.LeaveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportEval(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dapo.v1.Coordinator/ReportEval',
+            protos_dot_coordinator__pb2.ReportEvalRequest.SerializeToString,
+            protos_dot_coordinator__pb2.ReportEvalResponse.FromString,
             options,
             channel_credentials,
             insecure,

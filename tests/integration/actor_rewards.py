@@ -36,5 +36,11 @@ def even_truth(data_source: str, response: str, ground_truth: str) -> tuple[floa
     unlike any verifier's. Any other source is unscorable."""
     if data_source != ARITH:
         raise UnknownDataSource(f"even_truth scores data_source {ARITH!r} only, not {data_source!r}")
+    return even_answer(data_source, response, ground_truth)
+
+
+def even_answer(data_source: str, response: str, ground_truth: str) -> tuple[float, bool, str]:
+    """Correct exactly when the (integer) ground truth is even, whatever the response and the data
+    source: a held-out accuracy known in advance (the fraction of even answers)."""
     correct = int(ground_truth) % 2 == 0
     return (1.0 if correct else -1.0), correct, "even" if correct else "odd"

@@ -4,6 +4,7 @@ register again, and the wire group it builds (overlong shaping, per-token versio
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 
@@ -91,6 +92,8 @@ class FakeClient:
             return pb.LeaveResponse(num_leases_returned=7)
         if method == "ReturnLeases":
             return pb.ReturnLeasesResponse(num_returned=len(request.lease_ids))
+        if method == "ReportEval":
+            return pb.ReportEvalResponse(num_accepted=len(request.results) - 1)
         raise AssertionError(method)
 
     def named(self, method):
@@ -206,6 +209,38 @@ def test_an_actor_refused_for_weights_older_than_the_published_ones_loads_them_w
     assert [r.weight_version for r in client.named("Lease")] == [0, 1]
     assert engine.loaded == [0, 1] and fetched == [0, 1]
     assert actor.stop.waits == []  # no sleep between the refusal and the load
+
+
+def test_eval_leases_are_sampled_once_each_at_their_version_pinned_then_reported(make_actor):
+    """The reply names version 0 for its eval prompts and announces version 1: the actor samples them
+    first, at 0, with no in-flight load even in inflight mode, and does not sleep the refusal's delay."""
+    client = FakeClient(current_version=0)
+    actor, engine, _ = make_actor(client)
+    actor.stop = RecordedStop()
+    actor.cfg.actor = dataclasses.replace(actor.cfg.actor, update_mode="inflight", inflight_chunk_tokens=1)
+    evals = [pb.EvalLease(eval_lease_id=40 + i, version=0, prompt_token_ids=[7, i], data_source="t",
+                          ground_truth="9") for i in range(3)]
+    client.lease_script = [pb.LeaseResponse(eval_leases=evals, denial=pb.LEASE_DENIAL_STALENESS_BOUND,
+                                            retry_after_s=60.0, latest_version=1)]
+    sampled = []  # (engine version, sequences, n) per engine call
+    real_sample = engine._sample
+
+    def record(sequences, n, max_tokens, temperature, top_p, seed):
+        sampled.append((engine.version, [list(s) for s in sequences], n))
+        if len(sampled) > 1:  # the training batch after the evaluation
+            actor.stop.set()
+        return real_sample(sequences, n, max_tokens, temperature, top_p, seed)
+
+    engine._sample = record
+    assert actor.run() == 0
+    assert sampled[0] == (0, [[7, 0], [7, 1], [7, 2]], 1)  # one call: no chunk, no load in between
+    assert sampled[1][0] == 1 and engine.loaded == [0, 1]  # then the announced version, for training
+    [report] = client.named("ReportEval")
+    assert (report.version, [(r.eval_lease_id, r.response_tokens, r.truncated, r.correct, r.score)
+                             for r in report.results]) == (0, [(40, 3, False, True, 1.0), (41, 6, True, True, 1.0),
+                                                              (42, 3, False, True, 1.0)])
+    assert 60.0 not in actor.stop.waits
+    assert actor.metrics.counters["eval_prompts_sampled"] == 3 and actor.metrics.counters["eval_results_refused"] == 1
 
 
 def run_params(**changes) -> pb.RunParams:

@@ -26,7 +26,8 @@ def test_grpc_module_imports_pb2_from_package() -> None:
     assert coordinator_pb2.DESCRIPTOR.package == "dapo.v1"
     services = coordinator_pb2.DESCRIPTOR.services_by_name
     assert set(services["Coordinator"].methods_by_name) == {
-        "Register", "Heartbeat", "Lease", "ReturnLeases", "Leave", "Status", "GetWeightInfo", "FetchWeights"}
+        "Register", "Heartbeat", "Lease", "ReturnLeases", "Leave", "ReportEval", "Status", "GetWeightInfo",
+        "FetchWeights"}
 
 
 def test_weight_range_request_roundtrip() -> None:
