@@ -704,3 +704,24 @@ def test_a_member_that_never_connects_fails_the_sync_within_the_timeout_not_gloo
         released.set()
         th.join(10)
         pub.close()
+
+
+def test_a_wildcard_bound_learner_binds_its_group_to_its_route_towards_the_members():
+    # transport.host=0.0.0.0 names no interface: rank 0's group binds to its route towards the
+    # first member, which writes where its own group binds (its route to the learner) when it joins.
+    pub = WeightPublisher("collective", SenderOptions("0.0.0.0", TOKEN, timeout_s=10.0), chunk_bytes=256)
+    sender, sd, got = pub.senders["collective"], _state_dict(), []
+    try:
+        rx = CollectiveWeightReceiver("127.0.0.1", sender.port, "a", timeout_s=10.0)
+        assert rx.address == "127.0.0.1"
+        th = threading.Thread(target=lambda: got.append(rx.receive()))
+        th.start()
+        m = pub.publish(sd, version=1)
+        th.join(30)
+        assert m["weights/collective_members"] == 1.0 and "weights/collective_error" not in m, pub.errors
+        assert [member.address for member in sender.members] == ["127.0.0.1"]
+        assert sender._local_address() == "127.0.0.1"
+        (version, out, _), = got
+        assert version == 1 and all(torch.equal(out[k], sd[k]) for k in sd)
+    finally:
+        pub.close()
