@@ -6,6 +6,11 @@ The learner (``learner/transports/collective.py``) decides the backend and write
 ``sync/<s>`` record; actors (``actors/transports/collective.py``) follow it, so the two sides can
 never disagree. gloo moves CPU buffers; NCCL moves CUDA buffers (learner
 rank 0 and each actor must then be on different GPUs: NCCL refuses two ranks on one device).
+
+Across hosts a gloo group binds to the address the caller names (``route_source_address``: each
+side's route to the other), not to what this host's name resolves to: on many machines that is
+127.x (``127.0.1.1 host`` in /etc/hosts), which the other members cannot reach ("Gloo
+connectFullMesh failed ... remote=[127.0.0.1]"). ``GLOO_SOCKET_IFNAME`` in the environment wins.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import json
 import os
 import socket
 import struct
+import threading
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Iterator
@@ -56,10 +62,33 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def new_group(backend: str, store: dist.Store, rank: int, size: int, timeout: timedelta) -> object:
-    """One generation's group (a c10d Backend with ``broadcast``) over ``store``, a PrefixStore per generation."""
+def route_source_address(host: str) -> str:
+    """This machine's source address for packets to ``host`` (OSError when unresolvable or
+    unroutable). A UDP connect sends nothing: the kernel only picks the route and its address."""
+    error: OSError = OSError(f"{host} resolves to no address")
+    for family, _, _, _, sockaddr in socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM):
+        with socket.socket(family, socket.SOCK_DGRAM) as sock:
+            try:
+                sock.connect(sockaddr)
+            except OSError as exc:
+                error = exc
+                continue
+            return sock.getsockname()[0]
+    raise error
+
+
+WILDCARDS = ("", "0.0.0.0", "::")
+"""Bind addresses that name no interface: a group cannot be bound to them."""
+
+
+def new_group(backend: str, store: dist.Store, rank: int, size: int, timeout: timedelta,
+              local_address: str | None = None) -> object:
+    """One generation's group (a c10d Backend with ``broadcast``) over ``store``, a PrefixStore per
+    generation. gloo binds to ``local_address`` (None: the address of this host's name, as torch
+    does) and is built within ``timeout`` or TimeoutError (``_bounded``)."""
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
+        return _bounded(lambda: _gloo_group(store, rank, size, timeout, local_address), timeout,
+                        f"gloo group of {size} (this member rank {rank}, bound to {local_address or 'the host name'})")
     if backend != "nccl":
         raise ValueError(f"unknown collective backend {backend!r}")
     options = dist.ProcessGroupNCCL.Options()
@@ -70,6 +99,44 @@ def new_group(backend: str, store: dist.Store, rank: int, size: int, timeout: ti
     # The variable is read when the group is built, so it is set for this construction only.
     with _env(TORCH_NCCL_ASYNC_ERROR_HANDLING="2"):
         return dist.ProcessGroupNCCL(store, rank, size, options)
+
+
+def _gloo_group(store: dist.Store, rank: int, size: int, timeout: timedelta, local_address: str | None) -> object:
+    if os.environ.get("GLOO_SOCKET_IFNAME") or not local_address or local_address in WILDCARDS:
+        return dist.ProcessGroupGloo(store, rank, size, timeout)  # torch's own device choice
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address)]
+    options._threads = 2  # what torch's (store, rank, size, timeout) constructor gives one device
+    return dist.ProcessGroupGloo(store, rank, size, options)
+
+
+def _bounded(build, timeout: timedelta, what: str) -> object:
+    """``build()`` within ``timeout`` (+1 s for its own error to arrive), else TimeoutError.
+
+    gloo's full-mesh connect waits ~5x its timeout on a member that wrote its address to the store
+    but never connects (seen with torch 2.13: 100 s for 20 s, e.g. a member whose connects go to
+    its own loopback), and that would stall the learner's publish, hence training, that long. The
+    build runs on a thread of its own; one past the deadline is abandoned (it ends by itself within
+    gloo's wait, its group dropped): the caller evicts the members and they rejoin."""
+    result: list = []
+
+    def run() -> None:
+        try:
+            result.append(build())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            result.append(exc)
+
+    worker = threading.Thread(target=run, name="collective-group-build", daemon=True)
+    worker.start()
+    worker.join(timeout.total_seconds() + 1.0)
+    if not result:
+        raise TimeoutError(f"{what} not connected within {timeout.total_seconds():g} s: a member is gone, "
+                           "stalled, or advertised an address this host cannot reach (across hosts: "
+                           "check routes between them, or set GLOO_SOCKET_IFNAME)")
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
 
 
 def broadcast_buckets(group: object, buf: torch.Tensor, bucket_bytes: int, timeout: timedelta) -> None:

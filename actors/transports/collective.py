@@ -47,6 +47,12 @@ class CollectiveWeightReceiver:
         self._max_refetch = max_refetch
         self._after_receive = after_receive  # fault injection in tests (corrupt bytes in transit)
         self.store = dist.TCPStore(host, port, is_master=False, timeout=self._timeout)
+        # The group binds to this host's route towards the learner: the address of this host's
+        # name may be a loopback one that the learner cannot reach (protos/transports.py).
+        try:
+            self.address: str | None = transports.route_source_address(host)
+        except OSError:
+            self.address = None  # torch's choice, as before
         self._pg = None
         self._gen = -1
         self._buffers = ReceiveBuffer()
@@ -55,6 +61,8 @@ class CollectiveWeightReceiver:
 
     def _join(self) -> None:
         ticket = self.store.add("join_seq", 1)
+        if self.address:  # before join/<n>: the learner reads both once that exists
+            self.store.set(f"join/{ticket}/address", self.address)
         self.store.set(f"join/{ticket}", self.name)
         self._ticket = ticket
         self._member = f"{self.name}#{ticket}"  # how sync records name this member (names may repeat)
@@ -80,16 +88,18 @@ class CollectiveWeightReceiver:
         manifest = WeightManifest.from_json(self.store.get(f"manifest/{meta['version']}"))
         backend = meta.get("backend", "gloo")
         cuda = self._device_buffers(backend)
-        if meta["gen"] != self._gen:
-            prefix = dist.PrefixStore(f"gen/{meta['gen']}/", self.store)
-            self._pg = transports.new_group(backend, prefix, meta["members"].index(self._member) + 1,
-                                            len(meta["members"]) + 1, self._timeout)
-            self._gen = meta["gen"]
         buf = (self._buffers if cuda is None else cuda).get(manifest.total_bytes)
-        t1 = time.perf_counter()
         try:
+            if meta["gen"] != self._gen:
+                prefix = dist.PrefixStore(f"gen/{meta['gen']}/", self.store)
+                self._pg = transports.new_group(backend, prefix, meta["members"].index(self._member) + 1,
+                                                len(meta["members"]) + 1, self._timeout, self.address)
+                self._gen = meta["gen"]
+            t1 = time.perf_counter()
             transports.broadcast_buckets(self._pg, buf, meta["bucket_bytes"], self._timeout)
-        except Exception as exc:  # noqa: BLE001 - the group is unusable; rejoin next time
+        except Exception as exc:  # noqa: BLE001 - no group, or an unusable one: rejoin next time (a
+            # failed build retried in the same generation would only fail again: the learner has
+            # given that generation up)
             transports.abort(self._pg)
             self._pg, self._gen = None, -1
             self._join()

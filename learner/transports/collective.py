@@ -2,7 +2,8 @@
 rebuilt when membership changes; bucketed broadcasts. The protocol's receiving half is
 ``actors/transports/collective.py``; the backend contract is protos/transports.py.
 
-Store keys: ``backend``, ``join_seq`` (counter), ``join/<n>`` = actor name, ``join/<n>/sync`` =
+Store keys: ``backend``, ``join_seq`` (counter), ``join/<n>`` = actor name, ``join/<n>/address`` =
+the address its group binds to (written before ``join/<n>``), ``join/<n>/sync`` =
 first sync it is in, ``sync/<s>`` = JSON {version, gen, members (``<name>#<n>``), backend, bucket_bytes},
 ``manifest/<version>``, ``ack/<s>/<name>#<n>`` = actor timings, ``left/<n>`` = member n stopped
 (dropped at the next sync). The buffer is broadcast from where the publisher built it (the
@@ -31,6 +32,7 @@ from protos import transports
 class _Member:
     name: str
     ticket: int
+    address: str = ""  # where its group binds ("" from an actor that does not say)
 
     @property
     def key(self) -> str:
@@ -85,7 +87,9 @@ class CollectiveSender:
 
     def _new_joins(self) -> list[_Member]:
         n = self.store.add("join_seq", 0)
-        out = [_Member(self.store.get(f"join/{t}").decode(), t) for t in range(self._seen_tickets + 1, n + 1)]
+        out = [_Member(self.store.get(f"join/{t}").decode(), t,
+                       self.store.get(f"join/{t}/address").decode() if self.store.check([f"join/{t}/address"]) else "")
+               for t in range(self._seen_tickets + 1, n + 1)]
         self._seen_tickets = n
         return out
 
@@ -119,8 +123,9 @@ class CollectiveSender:
         try:
             if self._rebuild:
                 prefix = dist.PrefixStore(f"gen/{self.generation}/", self.store)
+                self._pg = None  # a failed build below leaves no group of an older generation
                 self._pg = transports.new_group(self.backend, prefix, 0, len(names) + 1,
-                                                timedelta(seconds=self.timeout_s))
+                                                timedelta(seconds=self.timeout_s), self._local_address())
                 self._rebuild = False
             t1 = time.perf_counter()
             src = self._stage(buf)
@@ -138,6 +143,19 @@ class CollectiveSender:
         t2 = time.perf_counter()
         return {"weights/collective_members": float(len(names)), "time/collective_group_s": t1 - t0,
                 "time/collective_transfer_s": t2 - t1}
+
+    def _local_address(self) -> str | None:
+        """Where rank 0's group binds: transport.host; for a wildcard bind (0.0.0.0) this host's
+        route towards the first member that said where it is; else None (torch's choice)."""
+        if self.host not in transports.WILDCARDS:
+            return self.host
+        for member in self.members:
+            if member.address:
+                try:
+                    return transports.route_source_address(member.address)
+                except OSError:
+                    continue
+        return None
 
     def _stage(self, buf: torch.Tensor) -> torch.Tensor:
         if buf.is_cuda if self.backend == "nccl" else buf.is_cpu:

@@ -12,6 +12,9 @@ bound to its interface address, a token of its own; processes started by tests/c
 2. A two-node learner pool (`dapo learner --nnodes=2 ... learner.num_ranks=1`: one rank per
    namespace, FSDP2 over gloo across them) trains with an actor in a third namespace: `dapo learner`
    must pick each node's interface for gloo (left to itself gloo's full mesh goes to 127.0.0.1).
+3. `weights.backend=collective` with the actor on another host: both ends bind their gloo group to
+   their route to each other (protos/transports.py), so every version after the first arrives over
+   the broadcast, not over the side channel the actor falls back to.
 
 Both end with no process left in any namespace. Skipped where namespaces cannot be made.
 """
@@ -160,3 +163,31 @@ def test_a_two_node_learner_pool_trains_over_gloo_with_an_actor_on_a_third_host(
     report = audit_run(c.run_dir, total_steps=total_steps, num_prompts_per_step=N, max_staleness_steps=K)
     assert check_audit(report) == [], report
     print(f"two-node pool: {total_steps} steps in {time.monotonic() - started:.1f} s")
+
+
+@pytest.mark.timeout(240)
+def test_collective_weights_reach_an_actor_on_another_host(tmp_path, model_path, network):
+    total_steps = 3
+    hosts = {name: network.add_host(name) for name in ("learner", "actor0")}
+    c = cluster(tmp_path, model_path, hosts["learner"], hosts, f"learner.total_steps={total_steps}",
+                "weights.backend=collective", "weights.sync_timeout_s=20")
+    started = time.monotonic()
+    try:
+        c.start_actor()
+        c.start_learner()
+        finish(c, network, 120)
+    finally:
+        c.close()
+    actor_log = (c.logs / "actor0.log").read_text()
+    # Every step's publish broadcast to the one member and none failed (a member that cannot connect
+    # shows as weights/collective_error, and the version then travels the side channel).
+    published = [{k: v for k, v in r.items() if k.startswith("weights/collective")} for r in c.metrics()[1:]]
+    assert published == [{"weights/collective_members": 1.0}] * total_steps, published
+    assert "connectFullMesh failed" not in actor_log + c.learner_log.read_text(), actor_log[-3000:]
+    final = re.search(r"final: v(\d+) .*weight_loads=(\d+) \(collective (\d+)\)", actor_log)
+    assert final, actor_log[-3000:]
+    assert int(final[3]) >= 1 and int(final[1]) == total_steps, final[0]  # the last version came too
+    report = audit_run(c.run_dir, total_steps=total_steps, num_prompts_per_step=N, max_staleness_steps=K)
+    assert check_audit(report) == [], report
+    print(f"collective across hosts: {total_steps} steps in {time.monotonic() - started:.1f} s; actor loaded "
+          f"{final[2]} version(s), {final[3]} over the collective")

@@ -114,10 +114,14 @@ def test_checksums_do_not_depend_on_what_a_reused_buffer_held():
 
 # ---------------------------------------------------------------- publisher <-> weight client (loopback)
 
+import json  # noqa: E402
 import socket  # noqa: E402
+import struct  # noqa: E402
 import threading  # noqa: E402
 from concurrent import futures  # noqa: E402
 from contextlib import contextmanager  # noqa: E402
+
+import torch.distributed as dist  # noqa: E402
 
 from actors.transports.base import WeightFetchError  # noqa: E402
 from actors.transports.collective import CollectiveWeightReceiver  # noqa: E402
@@ -634,3 +638,90 @@ def test_cuda_ipc_control_messages_are_bounded_typed_json_with_deadlines():
                 {**good, "event_sync_required": 1}):
         with pytest.raises(ValueError):
             cuda_ipc_open(bad)
+
+
+class _Unreachable(dist.Store):
+    """A member's view of its generation's store in which it is unreachable and never connects:
+    its address record (gloo's: hostname, address length, sockaddr, pair ids) names port 65535,
+    where nothing listens and which makes rank 0 the side that waits for the connection (gloo
+    orders a pair by address), and rank 0's record never reaches it. What a member on another
+    host whose group bound to its loopback looks like from the learner."""
+
+    def __init__(self, inner: dist.Store, released: threading.Event) -> None:
+        super().__init__()
+        self.inner, self.released = inner, released
+
+    def set(self, key, value):
+        record = bytes(value)
+        (n,) = struct.unpack_from("=Q", record, 0)
+        at = 8 + n + 8  # past the hostname and the address's length: the sockaddr
+        assert struct.unpack_from("=H", record, at)[0] == socket.AF_INET, f"gloo's record changed: {record.hex()}"
+        self.inner.set(key, record[:at + 2] + struct.pack(">H", 65535) + record[at + 4:])
+
+    def get(self, key):
+        self.released.wait(60)
+        raise RuntimeError("released")
+
+    def wait(self, keys, timeout=None):
+        self.get(keys)
+
+
+def test_a_member_that_never_connects_fails_the_sync_within_the_timeout_not_gloos_five_times_it():
+    # gloo's full-mesh connect waits ~5x its timeout for such a member: the publish, hence training,
+    # stalled 100 s with weights.sync_timeout_s=20 across hosts. The sync must fail within the timeout.
+    import time
+    from datetime import timedelta
+
+    timeout_s = 2.0
+    pub = WeightPublisher("collective", SenderOptions("127.0.0.1", TOKEN, timeout_s=timeout_s), chunk_bytes=256)
+    sender, released, built = pub.senders["collective"], threading.Event(), []
+    store = dist.TCPStore("127.0.0.1", sender.port, is_master=False, timeout=timedelta(seconds=10))
+    ticket = store.add("join_seq", 1)
+    store.set(f"join/{ticket}", "ghost")
+
+    def member():  # the receiver's steps up to its group build, in a store where it is unreachable
+        store.wait(["sync/0"], timedelta(seconds=10))
+        gen = json.loads(store.get("sync/0"))["gen"]
+        prefix = _Unreachable(dist.PrefixStore(f"gen/{gen}/", store), released)
+        try:
+            built.append(dist.ProcessGroupGloo(prefix, 1, 2, timedelta(seconds=timeout_s)))
+        except Exception as exc:  # noqa: BLE001 - the expected end once released
+            built.append(exc)
+
+    th = threading.Thread(target=member, daemon=True)
+    th.start()
+    try:
+        t0 = time.monotonic()
+        m = pub.publish(_state_dict(), version=1)
+        elapsed = time.monotonic() - t0
+        assert m.get("weights/collective_error") == 1.0, m
+        assert elapsed < timeout_s + 2.0, f"the publish took {elapsed:.1f} s with a {timeout_s} s timeout"
+        assert "not connected within 2 s" in str(pub.errors["collective"]), pub.errors
+        assert sender.members == [] and pub.sync_new_members() == {}  # evicted: the next publish has no member
+        m = pub.publish(_state_dict(), version=2)
+        assert m["weights/collective_members"] == 0.0 and "weights/collective_error" not in m
+    finally:
+        released.set()
+        th.join(10)
+        pub.close()
+
+
+def test_a_wildcard_bound_learner_binds_its_group_to_its_route_towards_the_members():
+    # transport.host=0.0.0.0 names no interface: rank 0's group binds to its route towards the
+    # first member, which writes where its own group binds (its route to the learner) when it joins.
+    pub = WeightPublisher("collective", SenderOptions("0.0.0.0", TOKEN, timeout_s=10.0), chunk_bytes=256)
+    sender, sd, got = pub.senders["collective"], _state_dict(), []
+    try:
+        rx = CollectiveWeightReceiver("127.0.0.1", sender.port, "a", timeout_s=10.0)
+        assert rx.address == "127.0.0.1"
+        th = threading.Thread(target=lambda: got.append(rx.receive()))
+        th.start()
+        m = pub.publish(sd, version=1)
+        th.join(30)
+        assert m["weights/collective_members"] == 1.0 and "weights/collective_error" not in m, pub.errors
+        assert [member.address for member in sender.members] == ["127.0.0.1"]
+        assert sender._local_address() == "127.0.0.1"
+        (version, out, _), = got
+        assert version == 1 and all(torch.equal(out[k], sd[k]) for k in sd)
+    finally:
+        pub.close()
