@@ -98,7 +98,9 @@ TUNED: dict[str, PeerKnobs] = {
     # (learner.lr: the benchmark measures throughput, not learning), the rest as "default".
     "long_response": PeerKnobs(learning_rate=1e-4, bf16=False, gradient_checkpointing=False, threads=2),
 }
-"""The setting each comparison uses (the best of ``tune`` on that workload; see the comments)."""
+"""The setting each comparison uses: the best of ``tune`` on that workload. To update one, run its
+tuning with ``--append bench/RESULTS.md`` on a quiet machine, paste the printed line here and say
+in its comment the date and the RESULTS.md section that holds the table."""
 
 
 @dataclass(frozen=True)
