@@ -19,6 +19,7 @@ at a time (one copy): ``submit`` waits for the previous one.
 
 from __future__ import annotations
 
+import atexit
 import json
 import multiprocessing
 import signal
@@ -57,6 +58,11 @@ class Evaluator:
             name="dapo-eval", daemon=True)
         self._proc.start()
         child_end.close()
+        # The child inherits the learner's SIGTERM handler (learner.loop.StopFlag), so the terminate()
+        # multiprocessing sends a daemon child at interpreter exit does not stop it, and its join
+        # then waits forever: a learner leaving by an exception (a start-up error after this fork,
+        # EvaluationFailed) hung instead of exiting. Closing the pipe first ends the child (EOF).
+        atexit.register(self.close)
         self._pending: int | None = None
         self._results: dict[int, dict[str, float]] = {}
 
@@ -84,6 +90,7 @@ class Evaluator:
             self._receive()
 
     def close(self) -> None:
+        atexit.unregister(self.close)
         self._conn.close()  # the child sees EOF and exits
         self._proc.join(timeout=5)
         if self._proc.is_alive():
