@@ -38,7 +38,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from dapo import rewards, task
+from dapo import arith, rewards, task
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +46,8 @@ TEMPLATES = ("auto", "chat", "dapo", "raw")
 BUILTIN = "builtin"
 BUILTIN_LONG = "builtin:long"
 """The built-in task's long variant (``task.make_chain_rows``: 272-430-token responses)."""
+BUILTIN_ARITH = "builtin:arith"
+"""Arithmetic questions in words for a real small model (``dapo.arith``, scored ``numeric``)."""
 BUILTIN_EVAL_SEED = 0
 """The built-in held-out set does not depend on ``run.seed``: eval numbers compare across runs."""
 
@@ -201,16 +203,20 @@ class PromptDataset:
                       str(row["reward_model"]["ground_truth"]))
 
 
+BUILTIN_TASKS = {BUILTIN: task.make_builtin_rows, BUILTIN_LONG: task.make_chain_rows, BUILTIN_ARITH: arith.make_rows}
+"""Built-in dataset name -> ``make(split, n, seed)`` of its rows."""
+
+
 def rows_for(path: str, split: str, cfg: Any) -> list[dict[str, Any]]:
     """Rows of ``path`` (a file or ``builtin``); ``split`` picks the built-in task's split."""
-    if path in (BUILTIN, BUILTIN_LONG):
-        make = task.make_builtin_rows if path == BUILTIN else task.make_chain_rows
+    if path in BUILTIN_TASKS:
+        make = BUILTIN_TASKS[path]
         if split == "train":
             return make("train", cfg.data.builtin_num_train_prompts, cfg.run.seed)
         return make("eval", cfg.data.builtin_num_eval_prompts, BUILTIN_EVAL_SEED)
     if path.startswith("builtin"):
-        raise ValueError(f"dataset {path!r} is not a built-in task: expected `{BUILTIN}` or "
-                         f"`{BUILTIN_LONG}` (the long variant), or a .parquet/.jsonl file.")
+        raise ValueError(f"dataset {path!r} is not a built-in task: expected one of {', '.join(BUILTIN_TASKS)}, "
+                         "or a .parquet/.jsonl file.")
     return load_rows(path)
 
 

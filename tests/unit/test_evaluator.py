@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -140,3 +142,32 @@ def test_unscorable_held_out_set_fails_at_start_up(setup, tmp_path, reward_fn, s
                             for r in task.make_builtin_rows("eval", 3, seed=5)))
     with pytest.raises(ValueError, match=says):
         Evaluator(load_config([f"data.eval_path={data}", f"actor.reward_fn={reward_fn}"]), path, tokenizer)
+
+
+EXIT_BY_EXCEPTION = """
+import signal, sys
+from transformers import AutoTokenizer
+from dapo.config import load_config
+from dapo.models import resolve_model_path
+from learner.evaluate import Evaluator
+
+signal.signal(signal.SIGTERM, lambda *_: None)  # as learner.loop.StopFlag does before the fork
+cfg = load_config(["data.builtin_num_eval_prompts=4", f"run.cache_dir={sys.argv[1]}"])
+path = resolve_model_path(cfg)
+evaluator = Evaluator(cfg, path, AutoTokenizer.from_pretrained(path))
+print(evaluator._proc.pid, flush=True)
+raise RuntimeError("start-up failed after the fork")
+"""
+
+
+def test_a_learner_leaving_by_an_exception_exits_and_takes_the_child_along(tmp_path):
+    """A failure after the evaluation process forked (a port already in use, EvaluationFailed)
+    must end the learner: the child ignores SIGTERM, and multiprocessing's exit-time terminate and
+    join of it waited forever."""
+    cache = Path(__file__).resolve().parents[2] / ".cache" / "dapo"
+    proc = subprocess.run([sys.executable, "-c", EXIT_BY_EXCEPTION, str(cache)], capture_output=True, text=True,
+                          timeout=90, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert proc.returncode == 1 and "RuntimeError: start-up failed after the fork" in proc.stderr, proc.stderr[-2000:]
+    child = int(proc.stdout.split()[0])
+    with pytest.raises(ProcessLookupError):  # reaped by its parent before that exited
+        os.kill(child, 0)

@@ -1,0 +1,84 @@
+"""dapo.arith (builtin:arith) and experiment=smollm2_arith: every answer right (recomputed from the
+question text by an independent reading), the splits disjoint by arithmetic fact, rows scored by
+the numeric verifier, the preset's settings."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from dapo import arith, data, rewards
+from dapo.config import load_config
+
+
+def _expected(question: str) -> int:
+    """The answer of a question, read from its words (not from the generators' code)."""
+    a, b = (int(x) for x in re.findall(r"\d+", question))
+    if "bigger" in question:
+        return max(a, b)
+    if "smaller" in question:
+        return min(a, b)
+    if question.startswith("Subtract"):  # "Subtract b from a."
+        return b - a
+    if "minus" in question or " - " in question:
+        return a - b
+    if "times" in question or "*" in question or "ultipl" in question:
+        return a * b
+    assert "plus" in question or "+" in question or question.startswith("Add") or "more" in question, question
+    return a + b
+
+
+@pytest.mark.parametrize("split, n", [("train", 1024), ("eval", 128)])
+def test_every_answer_is_right_and_scored_by_the_numeric_verifier(split, n):
+    rows = arith.make_rows(split, n, seed=0)
+    assert len(rows) == n and len({r["prompt"][-1]["content"] for r in rows}) == n  # distinct questions
+    kinds = set()
+    for row in rows:
+        question, truth = row["prompt"][-1]["content"], row["reward_model"]["ground_truth"]
+        assert truth == str(_expected(question)), question
+        assert row["data_source"] == arith.DATA_SOURCE == "numeric"
+        # The worked examples come first, as earlier chat turns.
+        assert row["prompt"][:-1] == [{"role": role, "content": text} for q, a in arith.EXAMPLES
+                                      for role, text in (("user", q), ("assistant", a))]
+        numbers = re.findall(r"\d+", question)
+        assert rewards.score(row["data_source"], f"{numbers[0]} and {numbers[1]} give {truth}", truth)[:2] == (1.0, True)
+        assert rewards.score(row["data_source"], f"{numbers[0]} and {numbers[1]} give {int(truth) + 1}.", truth)[0] == -1
+        kinds.add(next(word for word in ("bigger", "smaller", "more", "minus", "Subtract", " - ", "times", "*",
+                                         "ultipl", "plus", "+", "Add") if word in question))
+    assert len(kinds) >= 10  # every kind and most phrasings occur
+
+
+def test_splits_share_no_fact_and_skip_the_examples_facts():
+    train = arith.sample_problems("train", 1024, seed=0)
+    held_out = arith.sample_problems("eval", 128, seed=0)
+    train_facts, eval_facts = {f for _, _, f in train}, {f for _, _, f in held_out}
+    assert not train_facts & eval_facts
+    assert not (train_facts | eval_facts) & set(arith.EXAMPLE_FACTS)
+    assert all(arith.split_of(f) == "eval" for f in eval_facts) and all(arith.split_of(f) == "train" for f in train_facts)
+    # 4 + 3 and a word problem adding 3 and 4 are one fact: its split is one split.
+    assert arith.split_of("sum 3 4") in ("train", "eval") and "sum 3 4" in arith.EXAMPLE_FACTS
+    assert arith.sample_problems("eval", 128, seed=0) == held_out  # deterministic
+    assert arith.sample_problems("train", 64, seed=1) != train[:64]  # and seeded
+
+
+def test_asking_for_more_problems_than_a_split_holds_says_so():
+    with pytest.raises(ValueError, match=r"only \d+ distinct eval arithmetic problems found, 100 asked for"):
+        arith.sample_problems("eval", 100, seed=0, kinds=("product",))
+    with pytest.raises(ValueError, match="arithmetic kinds \\['cube'\\] are unknown"):
+        arith.sample_problems("eval", 1, seed=0, kinds=("cube",))
+
+
+def test_smollm2_arith_preset():
+    cfg = load_config(["experiment=smollm2_arith"])
+    assert (cfg.model.path, cfg.model.dtype, cfg.data.train_path, cfg.data.eval_path, cfg.data.prompt_template) == (
+        "builtin:smollm2-135m-instruct", "bfloat16", "builtin:arith", "builtin:arith", "chat")
+    assert (cfg.learner.lr, cfg.algorithm.num_prompts_per_step, cfg.algorithm.num_samples_per_prompt,
+            cfg.actor.max_response_tokens, cfg.algorithm.max_staleness_steps, cfg.actor.temperature) == (
+        1e-5, 8, 8, 48, 1, 1.0)
+    held_out = data.rows_for(cfg.data.eval_path, "eval", cfg)
+    assert len(held_out) == cfg.data.builtin_num_eval_prompts >= 128
+    assert held_out == arith.make_rows("eval", 128, data.BUILTIN_EVAL_SEED)  # the same set in every run
+    assert {r["data_source"] for r in data.rows_for(cfg.data.train_path, "train", cfg)} == {"numeric"}
+    with pytest.raises(ValueError, match="builtin:arith"):
+        data.rows_for("builtin:arithm", "train", cfg)
