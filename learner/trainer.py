@@ -53,7 +53,11 @@ from learner.logprobs import LogprobHead, install_logprob_head
 if TYPE_CHECKING:
     from torch.distributed.fsdp import OffloadPolicy
 
-# Metric sums all-reduced once per step; token-weighted unless noted.
+# Metric sums all-reduced once per step; token-weighted unless noted. The sampler–learner log-prob
+# mismatch, per loss token, in nats (μ: the sampler's log-prob of the token it sampled, π_prox: the
+# learner's recompute, or μ itself in bypass mode): train/sampler_prox_abs_logp_diff = mean |log π_prox
+# − log μ|, train/sampler_prox_kl_k3 = KL(μ ‖ π_prox) by Schulman's k3 over the tokens sampled from μ:
+# mean(r − 1 − log r), r = π_prox / μ (unbiased, ≥ 0 per token).
 _SUMS = ("loss", "tokens", "entropy", "clipfrac_high", "clipfrac_low", "dualclip_frac", "approx_kl_k1",
          "approx_kl_k3", "importance_weight_mean", "sampler_prox_abs_logp_diff", "sampler_prox_kl_k3")
 
@@ -263,7 +267,7 @@ class Trainer:
                 sums[key] += float(metrics[key]) * n
             diff = logp_prox - sampler
             sums["sampler_prox_abs_logp_diff"] += float(diff.abs().sum())
-            sums["sampler_prox_kl_k3"] += float((torch.exp(-diff) - 1 + diff).sum())
+            sums["sampler_prox_kl_k3"] += float((torch.exp(diff) - 1 - diff).sum())  # r = exp(diff)
         return rank_loss
 
     def optimizer_step(self) -> float:
