@@ -68,8 +68,9 @@ def settings(dtype: torch.dtype):
     from dapo.config import AlgorithmConfig, LearnerConfig
     from learner.trainer import TrainerSettings
 
-    return TrainerSettings(LearnerConfig(lr=1e-5, weight_decay=0.0, warmup_steps=0, grad_clip=1.0),
-                           AlgorithmConfig(prox_logp="bypass"), temperature=1.0, token_sum_norm=64.0, param_dtype=dtype)
+    return TrainerSettings(LearnerConfig(lr=1e-5, weight_decay=0.0, warmup_steps=0, grad_clip=1.0,
+                                         compute_dtype=str(dtype).removeprefix("torch.")),
+                           AlgorithmConfig(prox_logp="bypass"), temperature=1.0, token_sum_norm=64.0)
 
 
 def check_exactness(device: torch.device, small: bool) -> dict:
@@ -102,7 +103,7 @@ def check_exactness(device: torch.device, small: bool) -> dict:
                               "sampler_prox_abs_logp_diff", "sampler_prox_kl_k3"), 0.0)
         prox = {(0, u): shard.micro(0, u).sampler_logp.to(device) for u in range(shard.num_microbatches)}
         got = trainer.forward_backward(shard, 0, prox, sums)
-        # One float32 rank trains the plain module (no DTensor); FSDP2 otherwise.
+        # One rank trains the plain module (no DTensor); FSDP2 otherwise.
         grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).cpu()
                  for n, p in trainer.model.named_parameters()}
         diff = max(float((grads[n] - g).abs().max()) for n, g in ref.items())
@@ -161,7 +162,9 @@ def _learner_variant(device: torch.device, cfg, batch, overrides: dict) -> dict:
     with torch.device(device):
         model = Qwen2ForCausalLM(cfg).float()
     st = settings(torch.bfloat16)
-    st = dataclasses.replace(st, algorithm=AlgorithmConfig(prox_logp="recompute"),
+    # FSDP2 (its mixed precision) for every variant, as CPU offload needs it: one precision path,
+    # so the variants' first-step losses compare (one plain rank would autocast instead).
+    st = dataclasses.replace(st, algorithm=AlgorithmConfig(prox_logp="recompute"), shard_single_rank=True,
                              learner=dataclasses.replace(st.learner, **overrides))
     trainer = Trainer(model, st, device)
     shard = shard_local(batch, num_minibatches=1, world_size=1, rank=0,

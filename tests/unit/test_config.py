@@ -67,6 +67,7 @@ def test_default_is_dapo_and_overrides_apply_on_top_of_a_preset():
     ("algorithm.max_consecutive_filtered_groups=-1", "algorithm.max_consecutive_filtered_groups"),
     ("algorithm.overlong_cache_tokens=100", "algorithm.overlong_cache_tokens"),
     ("learner.lr=-1", "learner.lr"),
+    ("learner.compute_dtype=float16", "learner.compute_dtype"),
     ("actor.top_p=0", "actor.top_p"),
     ("actor.temperature=2.5", "actor.temperature"),  # vLLM's limit (the default engine)
     ("transport.grpc_port=70000", "transport.grpc_port"),

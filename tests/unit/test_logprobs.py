@@ -77,6 +77,32 @@ def test_chunked_bf16_grads_are_as_close_to_fp64_as_the_plain_bf16_path():
         assert err_c <= 2 * err_p + 1e-12, (err_c, err_p)  # 23 one-token products, each rounded once to bf16
 
 
+
+def test_chunked_head_under_autocast_recomputes_the_backward_logits_in_bf16():
+    """The one-rank bf16 learner: fp32 h and W, the forward under autocast, the backward outside it.
+    Both must use the bf16 logits z (rounded products of bf16 h and W), since the forward's logsumexp
+    is of those: log-probs equal an fp64 log-softmax of them, and the gradients equal the fp64 ones
+    of the same function up to two bf16 roundings (dz and the product: ~2^-8 of the largest entry,
+    measured ≤ 4.7e-3). Recomputing z in fp32 in the backward gives ≥ 3.9e-2 here."""
+    k, h, v, temperature = 200, 128, 384, 0.7
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(k, h, generator=g).requires_grad_()
+    weight = (torch.randn(v, h, generator=g) * 0.5).requires_grad_()
+    targets, up = torch.randint(0, v, (k,), generator=g), torch.randn(k, generator=g).double()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp = chunked_logprobs(hidden, weight, targets, temperature=temperature, chunk_tokens=7)[0]
+    grads = torch.autograd.grad((logp * up.float()).sum(), [hidden, weight])
+    hb, wb = hidden.detach().bfloat16(), weight.detach().bfloat16()
+    z = (hb @ wb.t()).double() / temperature  # the bf16 logits, as autocast's matmul rounds them
+    torch.testing.assert_close(logp.double(), torch.log_softmax(z, -1).gather(-1, targets[:, None]).squeeze(-1),
+                               rtol=0, atol=1e-5)
+    dz = -torch.softmax(z, -1) * up[:, None]
+    dz[torch.arange(k), targets] += up
+    dz /= temperature
+    for got, want in zip(grads, (dz @ wb.double(), dz.t() @ hb.double())):
+        assert got.dtype == torch.float32
+        assert float((got.double() - want).abs().max() / want.abs().max()) <= 1e-2
+
 def _tiny(tied: bool, seed: int = 0):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

@@ -366,9 +366,14 @@ def reference_training(steps: list[list], num_minibatches: int) -> tuple[list[di
             norms.append(norm)
             w_sum += w
         tokens = sum(float(s["mask"].sum()) for s in seqs)
+        # The sampler–learner mismatch over the loss tokens, sampled from μ: |log π_prox − log μ| and
+        # KL(μ ‖ π_prox) by k3 = r − 1 − log r, r = π_prox / μ.
+        log_r = [(p - s["mu"])[s["mask"] > 0] for s, p in zip(seqs, prox)]
         metrics.append({"train/loss": sum(losses) / len(losses), "train/grad_norm": sum(norms) / len(norms),
                         "train/grad_norm_max": max(norms), "train/lr": lr, "train/loss_tokens": tokens,
-                        "train/importance_weight_mean": w_sum / tokens})
+                        "train/importance_weight_mean": w_sum / tokens,
+                        "train/sampler_prox_abs_logp_diff": sum(float(x.abs().sum()) for x in log_r) / tokens,
+                        "train/sampler_prox_kl_k3": sum(float((x.exp() - 1 - x).sum()) for x in log_r) / tokens})
     return metrics, {n: p.detach().clone() for n, p in model.named_parameters()}, seen
 
 
