@@ -43,8 +43,8 @@ def packed_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     return torch.cat(outs, dim=2).transpose(1, 2).to(out_dtype).contiguous(), None
 
 
-def _attention_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype, contextlib.AbstractContextManager]:
+def _attention_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.dtype, contextlib.AbstractContextManager]:
     """(q, k, v) in the dtype the span calls compute in, the dtype to return, and the context they run
     in. fp32 inputs outside autocast: as they are. Under autocast q and k leave RoPE in fp32 (bf16
     projections times fp32 cos/sin) while v is bf16, and the lower-right CausalBias checks dtypes

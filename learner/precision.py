@@ -25,9 +25,10 @@ AUTO_BF16_MIN_PARAMS = 10_000_000
 """``auto`` keeps float32 below this many parameters: toy and test models, the embedded tiny model
 (345k) among them. There bf16 buys little (one 8 × 8 learner step of the tiny model on this 2-core
 AVX512-BF16 CPU, one thread, interleaved: 0.185 s of CPU in bf16 against 0.237 s in fp32, 1.3x;
-SmolLM2-135M: 1.9x, bench/bench_learner_step.py) and costs the embedded default its exactness:
+SmolLM2-135M: 1.7-1.9x, bench/bench_learner_step.py) and costs the embedded default its exactness:
 in fp32 the learner's log-probs equal the fp32 sampler's to 4e-7 per token (test_learnable checks
-< 1e-4, which catches a wrong packing, position or temperature), in bf16 they differ by 2e-3, and
+< 1e-4, which catches a wrong packing, position or temperature), in bf16 they differ by 2e-3
+(``--sampled``), and
 the run's curves would change. ``learner.compute_dtype=bfloat16`` opts in."""
 
 _CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")

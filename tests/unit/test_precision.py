@@ -83,8 +83,9 @@ def test_auto_in_the_trainer_keeps_small_models_in_float32_and_follows_the_hardw
 
     trainer = _trainer("auto")
     assert trainer.compute_dtype == torch.float32 and not trainer.autocast
-    cfg = Qwen2Config(vocab_size=61, hidden_size=512, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, tie_word_embeddings=False, attn_implementation="sdpa")
+    cfg = Qwen2Config(vocab_size=61, hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                      attn_implementation="sdpa")
     big = Qwen2ForCausalLM(cfg)
     assert sum(p.numel() for p in big.parameters()) >= AUTO_BF16_MIN_PARAMS
     trainer = Trainer(big, _ref_settings(2), torch.device("cpu"))
