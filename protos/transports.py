@@ -27,6 +27,8 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from protos.net import route_source_address  # noqa: F401  (re-exported: both ends call transports.route_source_address)
+
 def set_kernel_timeouts(sock: socket.socket, timeout_s: float) -> None:
     """Blocking socket with SO_RCVTIMEO/SO_SNDTIMEO deadlines. Python's ``settimeout`` polls before
     every send/recv, which cost ~35 % of loopback throughput for bulk weights here."""
@@ -60,21 +62,6 @@ def _env(**values: str) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-def route_source_address(host: str) -> str:
-    """This machine's source address for packets to ``host`` (OSError when unresolvable or
-    unroutable). A UDP connect sends nothing: the kernel only picks the route and its address."""
-    error: OSError = OSError(f"{host} resolves to no address")
-    for family, _, _, _, sockaddr in socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM):
-        with socket.socket(family, socket.SOCK_DGRAM) as sock:
-            try:
-                sock.connect(sockaddr)
-            except OSError as exc:
-                error = exc
-                continue
-            return sock.getsockname()[0]
-    raise error
 
 
 WILDCARDS = ("", "0.0.0.0", "::")

@@ -28,6 +28,7 @@ from typing import Mapping
 
 from dapo.config import DapoConfig, save_resolved
 from dapo.launch import die_with_parent, kill_tree, latest_checkpoint, resolve_config, spawn
+from protos.net import route_source_address
 
 HELP = """\
 usage: dapo learner [TORCHRUN FLAGS] [--shell-exit-codes] [HYDRA OVERRIDES | --config FILE]
@@ -162,7 +163,7 @@ def collective_env(torchrun: list[str], environ: Mapping[str, str]) -> tuple[dic
         return {}, ""
     host = endpoint_host(endpoint)
     try:
-        address = source_address_towards(host)
+        address = route_source_address(host)
     except OSError as exc:
         return {}, (f"no route to the rendezvous host {host} found ({exc}); gloo picks an interface from this "
                     f"host's name (set {GLOO_IFNAME_ENV}=IFACE to choose one)")
@@ -173,21 +174,6 @@ def collective_env(torchrun: list[str], environ: Mapping[str, str]) -> tuple[dic
     note = (f"the ranks' collectives (gloo) use interface {ifname} ({address}, this node's route to the "
             f"rendezvous host {host}; {GLOO_IFNAME_ENV} chooses another)")
     return {GLOO_IFNAME_ENV: ifname}, note
-
-
-def source_address_towards(host: str) -> str:
-    """This machine's source address for packets to ``host`` (OSError when unresolvable or
-    unroutable). A UDP connect sends nothing: the kernel only picks the route and its address."""
-    error: OSError = OSError(f"{host} resolves to no address")
-    for family, _, _, _, sockaddr in socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM):
-        with socket.socket(family, socket.SOCK_DGRAM) as sock:
-            try:
-                sock.connect(sockaddr)
-            except OSError as exc:
-                error = exc
-                continue
-            return sock.getsockname()[0]
-    raise error
 
 
 def interface_of(address: str) -> str | None:
