@@ -65,9 +65,10 @@ def _skip_computed_buffers_on_reload(model: torch.nn.Module) -> None:
 
 CPU_BLOCK_SIZE_TOKENS = 32
 """KV block size of vLLM on CPU: the CPU attention backend's smallest (a multiple of 32), not its
-default 128. SmolLM2-135M in bf16, 16 prompts of 102 tokens x 8 samples, 48-token cap, one core:
-96 tok/s with 128-token blocks, 251-269 with 32 (a decode step's attention runs over whole blocks),
-and a 102-token prompt fills 3 blocks the prefix cache can share instead of none."""
+default 128. SmolLM2-135M in bf16, prompts of 101-113 tokens x 8 samples, 48-token cap, one core: 94 tok/s with
+128-token blocks, 241 with 32 (bench/bench_vllm_cpu.py). A prompt shorter than a block fills none
+that the prefix cache can share: with 128-token blocks each of a prompt's 8 samples computes the
+prompt's KV anew (prefill of 8 prompts x 8 samples 9.5 s, with 32-token blocks 1.0 s)."""
 
 
 def llm_args(model_path: str, *, dtype: str, max_model_len_tokens: int, seed: int, enforce_eager: bool,
@@ -138,8 +139,6 @@ class VllmEngine(Engine):
                                 output_kind=RequestOutputKind.DELTA)
         engine = self._llm.llm_engine
         raws: dict[str, RawSample] = {}  # n requests per prompt (what vLLM's n > 1 does inside)
-        if n > 1:
-            self._prefill(engine, sequences)
         for s in sequences:
             for _ in range(n):
                 rid = str(next(self._request_ids))
@@ -155,44 +154,19 @@ class VllmEngine(Engine):
         samples = list(raws.values())
         return [samples[i * n:(i + 1) * n] for i in range(len(sequences))]
 
-    def _prefill(self, engine, sequences: list[list[int]]) -> None:
-        """Compute and cache each prompt's KV once, with one throw-away token per prompt.
-
-        Requests scheduled in the same step share no prefill: the prefix cache holds only blocks
-        computed in earlier steps, so n samples of a prompt would cost n prefills (SmolLM2-135M, 8
-        prompts of 102 tokens x 8 samples, one token each, one core: 3.8 s, as for 64 distinct
-        prompts). After this the n samples start from the cached blocks (all but the last partial
-        one) and still run in lockstep: 1.4 s. Most of a batch's prefill once responses are short."""
-        from vllm import SamplingParams
-
-        params = SamplingParams(n=1, max_tokens=1, detokenize=False)
-        rids = [f"prefill-{next(self._request_ids)}" for _ in sequences]
-        for rid, s in zip(rids, sequences):
-            engine.add_request(rid, {"prompt_token_ids": s}, params)
-        try:
-            while engine.has_unfinished_requests():
-                engine.step()
-        finally:
-            if engine.has_unfinished_requests():
-                engine.abort_request(rids)
-
-    def _step(self, engine, raws: dict[str, RawSample]) -> None:
-        """One engine step; its tokens are appended to their samples, tagged with the current version."""
-        version = self.version  # the weights this step samples with
-        for out in engine.step():
-            raw, c = raws[out.request_id], out.outputs[0]
-            raw.token_ids += c.token_ids
-            raw.logprobs += [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)]
-            raw.versions += [version] * len(c.token_ids)
-            raw.stopped = out.finished and c.finish_reason == "stop"
-
     def _step_until_done(self, engine, raws: dict[str, RawSample], every_steps: int,
                          between_steps: Callable[[], None] | None) -> None:
         steps = 0
         while engine.has_unfinished_requests():
             if between_steps is not None and steps and steps % every_steps == 0:
                 between_steps()  # may load weights: running requests keep their KV blocks
-            self._step(engine, raws)
+            version = self.version  # the weights this step samples with
+            for out in engine.step():
+                raw, c = raws[out.request_id], out.outputs[0]
+                raw.token_ids += c.token_ids
+                raw.logprobs += [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)]
+                raw.versions += [version] * len(c.token_ids)
+                raw.stopped = out.finished and c.finish_reason == "stop"
             steps += 1
 
     def _load(self, state_dict: Mapping[str, torch.Tensor]) -> None:
