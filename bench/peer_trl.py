@@ -62,7 +62,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
 TRL_VERSION = "1.16.0"
-WORKLOADS = {"default": [], "long_response": ["experiment=long_response"]}
+WORKLOADS = {"default": [], "long_response": ["experiment=long_response"], "smollm2_arith": ["experiment=smollm2_arith"]}
 """Workload name -> `dapo run` / load_config overrides (the same on both sides)."""
 
 
@@ -97,6 +97,10 @@ TUNED: dict[str, PeerKnobs] = {
     # Provisional, until `bench_long_response.py --trl-tune` runs on a quiet machine: lr is dapo's
     # (learner.lr: the benchmark measures throughput, not learning), the rest as "default".
     "long_response": PeerKnobs(learning_rate=1e-4, bf16=False, gradient_checkpointing=False, threads=2),
+    # SmolLM2-135M (experiment=smollm2_arith): bf16 autocast is the faster precision on this CPU (issue 22,
+    # by hand: 43 s a batch against 60 s in fp32, 2 threads, checkpointing off); lr is dapo's preset lr.
+    # Replaced by `vs_trl.py --workload smollm2_arith --tune ...` where bench/RESULTS.md has its table.
+    "smollm2_arith": PeerKnobs(learning_rate=1e-5, bf16=True, gradient_checkpointing=False, threads=2),
 }
 """The setting each comparison uses: the best of ``tune`` on that workload. To update one, run its
 tuning with ``--append bench/RESULTS.md`` on a quiet machine, paste the printed line here and say
@@ -305,11 +309,27 @@ class _Recorder:
 
     def __init__(self, t_cmd_unix_s: float) -> None:
         self.raw: dict = {"t_cmd_unix_s": t_cmd_unix_s, "batches": [], "evals": []}
+        self.generate_s = 0.0  # seconds in model.generate since the last count()
 
     def count(self, completion_ids: list[list[int]]) -> None:
         # Called once per generation batch (it spans that batch's updates). EOS is in the count.
-        self.raw["batches"].append({"samples": len(completion_ids),
+        self.raw["batches"].append({"samples": len(completion_ids), "generate_s": self.generate_s,
                                     "response_tokens": sum(len(c) for c in completion_ids)})
+        self.generate_s = 0.0
+
+    def time_generate(self, model) -> None:
+        """Charge the model's generate calls (TRL's HF-generate path calls the unwrapped model's) to
+        the batch they sample, for the time breakdown."""
+        inner = model.generate
+
+        def generate(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.generate_s += time.perf_counter() - t0
+
+        model.generate = generate
 
 
 def peer_task(cfg, peer: PeerConfig, tok, recorder: _Recorder) -> tuple:
@@ -375,7 +395,9 @@ def _clock(recorder: _Recorder, evaluator, peer: PeerConfig, *, eval_every_batch
             batch = state.global_step // peer.updates_per_batch
             assert len(raw["batches"]) == batch, "one reward call per generation batch"
             if evaluator is not None and (batch % eval_every_batches == 0 or batch == max_batches):
+                t0 = time.perf_counter()
                 submit(model, batch)
+                raw["batches"][-1]["eval_submit_s"] = time.perf_counter() - t0
             raw["batches"][-1]["end_unix_s"] = time.time()
 
     return PeerClock(), collect
@@ -416,6 +438,7 @@ def worker(spec: dict) -> None:
     clock, collect = _clock(recorder, evaluator, peer, eval_every_batches=spec["eval_every_batches"],
                             max_batches=spec["max_batches"], target=spec["target"])
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    recorder.time_generate(model)
     try:
         with tempfile.TemporaryDirectory() as out:
             conf = grpo_config(peer, out, seed=seed, max_batches=spec["max_batches"])

@@ -1,8 +1,15 @@
-"""dapo against a peer, side by side: TRL's GRPOTrainer(loss_type="dapo") on the embedded default.
+"""dapo against a peer, side by side: TRL's GRPOTrainer(loss_type="dapo") on the embedded default,
+or on a real model (``--workload smollm2_arith``: SmolLM2-135M-Instruct on the built-in arithmetic).
 
     .venv/bin/python bench/vs_trl.py --seeds 0 1 2        # interleaved, markdown table
     .venv/bin/python bench/vs_trl.py --tune --seeds 0     # the peer's knob grid (bench/peer_trl.py)
     .venv/bin/python bench/vs_trl.py --append bench/RESULTS.md --png bench/vs_trl.png
+    .venv/bin/python bench/vs_trl.py --workload smollm2_arith --seeds 0 1 --png bench/vs_trl_smollm2.png
+
+Each run also reports where a steady-state step goes (generate, waiting for a batch, train, weight
+sync per version, evaluation submits) and, for dapo, the learner's and actors' idle fractions.
+On ``smollm2_arith`` dapo evaluates with the peer's instrument (``learner.eval_on=learner``), not the
+preset's evaluation on the actors: the same sampler and the same cost on both sides.
 
 The peer (its venv, its configuration, how each side is timed) is bench/peer_trl.py, shared with
 bench/bench_long_response.py --trl. It runs with ``peer_trl.TUNED["default"]`` unless ``--trl-*``
@@ -37,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -48,15 +56,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.peer_trl import (TUNED, PeerKnobs, batch_seconds, choose, knob_grid, run_peer, tune,  # noqa: E402
-                            tune_table)
+from bench.peer_trl import (TUNED, WORKLOADS, PeerKnobs, batch_seconds, choose, knob_grid, run_peer,  # noqa: E402
+                            tune, tune_table)
 
 DAPO = Path(sys.executable).with_name("dapo")
 """`dapo run` of the venv this harness runs in (.venv/bin/dapo)."""
 TARGET = 0.8
 """Held-out accuracy both sides race to (``--target``)."""
 EVAL_EVERY_BATCHES = 5
-MAX_BATCHES = 200
+MAX_BATCHES = {"default": 200, "smollm2_arith": 40}
+"""Per workload (``--workload``, peer_trl.WORKLOADS): a run that has not reached the target by then
+stops and is reported as not reached (``--max-batches``)."""
+DAPO_EXTRA = {"default": [], "smollm2_arith": ["learner.eval_on=learner"]}
+"""`dapo run` overrides beyond the workload's own: the preset evaluates on the actors' vLLM engine;
+here dapo uses the peer's instrument (the forked HF-generate Evaluator, charged to both sides)."""
 
 
 # ----------------------------------------------------------------------------------- the peer
@@ -75,30 +88,48 @@ def trl_result(raw: dict, target: float) -> dict:
             "s_per_step": (known - begin) / hit["batch"], "accuracy": hit["accuracy"]}
 
 
-def run_trl(seed: int, knobs: PeerKnobs, work: Path, target: float) -> dict:
-    name = f"trl-seed{seed}-{'bf16' if knobs.bf16 else 'fp32'}-ckpt{int(knobs.gradient_checkpointing)}-" \
+def run_trl(seed: int, knobs: PeerKnobs, work: Path, target: float, workload: str, max_batches: int) -> dict:
+    name = f"trl-{workload}-seed{seed}-{'bf16' if knobs.bf16 else 'fp32'}-ckpt{int(knobs.gradient_checkpointing)}-" \
            f"t{knobs.threads}-lr{knobs.learning_rate:g}"
-    raw = run_peer("default", knobs, seed=seed, max_batches=MAX_BATCHES, work=work, name=name,
+    raw = run_peer(workload, knobs, seed=seed, max_batches=max_batches, work=work, name=name,
                    eval_every_batches=EVAL_EVERY_BATCHES, target=target)
     curve = [(e["done_unix_s"] - raw["t_cmd_unix_s"], e["accuracy"]) for e in raw["evals"]]
-    return {**trl_result(raw, target), "curve": curve, "seed": seed, "config": knobs.label(),
-            "command_s": raw["command_s"]}
+    return {**trl_result(raw, target), **trl_breakdown(raw), "curve": curve, "seed": seed,
+            "config": knobs.label(), "command_s": raw["command_s"]}
+
+
+def trl_breakdown(raw: dict) -> dict:
+    """The peer's steady-state batch (medians after the first 5): its generate calls (HF generate,
+    the policy itself: no weight sync), its evaluation submits, and the rest (scoring, log-probs,
+    the two updates). One process does all of it in turn: nothing in it idles."""
+    done = [b for b in raw["batches"] if "end_unix_s" in b]
+    per_batch = batch_seconds(raw)
+    gen = [b.get("generate_s", 0.0) for b in done]
+    sub = [b.get("eval_submit_s", 0.0) for b in done]
+    return {"break_step_s": _median_after_warmup(per_batch), "break_generate_s": _median_after_warmup(gen),
+            "break_eval_s": _median_after_warmup(sub),
+            "break_train_s": _median_after_warmup([t - g - e for t, g, e in zip(per_batch, gen, sub)])}
 
 
 def run_tune(args: argparse.Namespace, work: Path) -> str:
     grid = knob_grid(args.tune_lrs, args.tune_threads)
-    rows = tune("default", grid, seeds=args.seeds, batches=args.tune_batches,
-                eval_every_batches=EVAL_EVERY_BATCHES, work=work)
+    if args.tune_precisions:  # a subset of the grid: e.g. the precision and threads alone, lr fixed
+        grid = [k for k in grid if ("bf16" if k.bf16 else "fp32") in args.tune_precisions
+                and k.gradient_checkpointing in args.tune_checkpointing]
+    rows = tune(args.workload, grid, seeds=args.seeds, batches=args.tune_batches,
+                eval_every_batches=args.tune_eval_every, work=work)
     best, why = choose(rows, speed_key="steady_s_per_batch", lower_is_better=True)
-    return (f"Peer tuning on the embedded default, {args.tune_batches} batches per run, held-out accuracy every "
-            f"{EVAL_EVERY_BATCHES} batches and at the end:\n\n{tune_table(rows)}\n\nBest: **{best.label()}** ({why}).\n"
-            f"Store it in bench/peer_trl.py:\n\n    \"default\": {best!r},\n")
+    return (f"Peer tuning on workload {args.workload}, {args.tune_batches} batches per run, held-out accuracy every "
+            f"{args.tune_eval_every} batches and at the end (0: none):\n\n{tune_table(rows)}\n\n"
+            f"Best: **{best.label()}** ({why}).\n"
+            f"Store it in bench/peer_trl.py:\n\n    \"{args.workload}\": {best!r},\n")
 
 
 # ----------------------------------------------------------------------------------- dapo
-def run_dapo(seed: int, work: Path, extra: list[str], target: float) -> dict:
-    run_dir = work / f"dapo-seed{seed}"
-    argv = [str(DAPO), "run", f"run.run_dir={run_dir}", "run.stop_at_target=true", f"run.target_accuracy={target}",
+def run_dapo(seed: int, work: Path, extra: list[str], target: float, workload: str, max_batches: int) -> dict:
+    run_dir = work / f"dapo-{workload}-seed{seed}"
+    argv = [str(DAPO), "run", *WORKLOADS[workload], *DAPO_EXTRA[workload], f"learner.total_steps={max_batches}",
+            f"run.run_dir={run_dir}", "run.stop_at_target=true", f"run.target_accuracy={target}",
             f"learner.eval_every_steps={EVAL_EVERY_BATCHES}", f"learner.seed={seed}", f"actor.seed={seed}",
             f"run.cache_dir={ROOT / '.cache' / 'dapo'}", "transport.grpc_port=0", "transport.zmq_port=0",
             "weights.side_channel_port=0", "weights.collective_port=0", *extra]
@@ -106,14 +137,46 @@ def run_dapo(seed: int, work: Path, extra: list[str], target: float) -> dict:
     t0 = time.time()
     proc = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     command_s = time.time() - t0
-    (work / f"dapo-seed{seed}.stderr").write_text(proc.stderr)
+    (run_dir.parent / f"{run_dir.name}.stderr").write_text(proc.stderr)
     if proc.returncode != 0:
-        raise SystemExit(f"dapo run failed (exit {proc.returncode}); see {work / f'dapo-seed{seed}.stderr'}")
+        raise SystemExit(f"dapo run failed (exit {proc.returncode}); see {run_dir.parent / f'{run_dir.name}.stderr'}")
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     curve = [(r.get("time/eval_done_unix_s", r["unix_time_s"]) - t0, r["eval/accuracy"]) for r in recs
              if "eval/accuracy" in r]
-    return {**dapo_result(recs, t0, target), "curve": curve, "seed": seed, "config": "defaults",
-            "command_s": command_s, "startup": _startup_line(proc.stderr)}
+    return {**dapo_result(recs, t0, target), **dapo_breakdown(recs, run_dir), "curve": curve, "seed": seed,
+            "config": "defaults", "command_s": command_s, "startup": _startup_line(proc.stderr)}
+
+
+def _median_after_warmup(values: list[float]) -> float | None:
+    return statistics.median(values[5:] if len(values) > 6 else values) if values else None
+
+
+def dapo_breakdown(recs: list[dict], run_dir: Path) -> dict:
+    """Where a steady-state step's time goes (medians after the first 5 steps), the weight sync of one
+    version (learner: gather + serialise + publish; actor: fetch + load, from its final log line) and
+    the idle fractions (learner: waiting for a batch; actors: since start, at the last step)."""
+    steps = [r for r in recs if "time/step_s" in r]
+    med = {k: _median_after_warmup([r.get(k, 0.0) for r in steps]) for k in
+           ("time/step_s", "time/wait_batch_s", "time/train_s", "time/eval_submit_s")}
+    sync = _median_after_warmup([r.get("time/gather_s", 0.0) + r.get("time/serialise_s", 0.0)
+                                 + r.get("time/publish_s", 0.0) for r in steps])
+    out = {"break_step_s": med["time/step_s"], "break_wait_s": med["time/wait_batch_s"],
+           "break_train_s": med["time/train_s"], "break_eval_s": med["time/eval_submit_s"],
+           "break_sync_learner_s": sync,
+           "learner_idle": _median_after_warmup([r["learner/idle_fraction"] for r in steps]) if steps else None,
+           "actor_idle": next((r["actors/idle_fraction"] for r in reversed(steps) if "actors/idle_fraction" in r),
+                              None)}
+    final = [ln for log in sorted((run_dir / "logs").glob("actor*.log")) for ln in log.read_text().splitlines()
+             if "final:" in ln and "weight_loads=" in ln]
+    if final:  # "... weight_loads=28 ... fetch_weights=6.7s ... generate=1164.2s ... load_weights=12.5s ..."
+        def num(key: str) -> float:
+            m = re.search(rf"\b{key}=([0-9.]+)", final[-1])
+            return float(m.group(1)) if m else 0.0
+        loads = max(num("weight_loads"), 1.0)
+        out["actor_sync_per_version_s"] = (num("fetch_weights") + num("load_weights")) / loads
+        out["actor_generate_s"] = num("generate")
+        out["actor_evaluate_s"] = num("evaluate")
+    return out
 
 
 def dapo_result(recs: list[dict], t_cmd: float, target: float) -> dict:
@@ -179,6 +242,32 @@ def summary(rows: list[dict], target: float) -> str:
     return "\n".join(out)
 
 
+def breakdown_table(rows: list[dict], workload: str) -> str:
+    """Where each side's steady-state step goes (``dapo_breakdown``, ``trl_breakdown``)."""
+    from dapo.config import load_config
+
+    cfg = load_config(WORKLOADS[workload])
+    samples = cfg.algorithm.num_prompts_per_step * cfg.algorithm.num_samples_per_prompt
+    lines = ["Steady state (medians after the first 5 steps), seconds per step:", "",
+             "| system | seed | step s | samples/s | generate s | wait for a batch s | train s | "
+             "weight sync / version s (learner; actor fetch + load) | eval submit s | learner idle | actor idle |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        step = r.get("break_step_s")
+        if r["system"] == "dapo":
+            gen = f"(actor, beside: {fmt(r.get('actor_generate_s'), '.0f')} s in all)"
+            sync = f"{fmt(r.get('break_sync_learner_s'), '.2f')}; {fmt(r.get('actor_sync_per_version_s'), '.2f')}"
+            wait, idle_l, idle_a = fmt(r.get("break_wait_s"), ".2f"), fmt(r.get("learner_idle"), ".2f"), \
+                fmt(r.get("actor_idle"), ".2f")
+        else:
+            gen, sync, wait, idle_l, idle_a = fmt(r.get("break_generate_s"), ".2f"), "0 (one process)", "—", "—", "—"
+        lines.append(f"| {r['system']} | {r['seed']} | {fmt(step, '.2f')} | "
+                     f"{fmt(samples / step if step else None, '.2f')} | {gen} | {wait} | "
+                     f"{fmt(r.get('break_train_s'), '.2f')} | {sync} | {fmt(r.get('break_eval_s'), '.2f')} | "
+                     f"{idle_l} | {idle_a} |")
+    return "\n".join(lines)
+
+
 def plot(rows_raw: dict[str, list[tuple[float, float]]], path: Path, target: float) -> None:
     import matplotlib
 
@@ -202,8 +291,8 @@ def load_avg() -> str:
 
 
 def peer_knobs(args: argparse.Namespace) -> PeerKnobs:
-    """``TUNED["default"]`` with the ``--trl-*`` overrides."""
-    base = TUNED["default"]
+    """``TUNED[workload]`` with the ``--trl-*`` overrides."""
+    base = TUNED[args.workload]
     return PeerKnobs(learning_rate=base.learning_rate if args.trl_lr is None else args.trl_lr,
                      bf16=base.bf16 if args.trl_bf16 is None else args.trl_bf16,
                      gradient_checkpointing=base.gradient_checkpointing if args.trl_checkpointing is None
@@ -213,6 +302,12 @@ def peer_knobs(args: argparse.Namespace) -> PeerKnobs:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=sorted(MAX_BATCHES), default="default",
+                        help="default: the embedded default (tiny model); smollm2_arith: experiment=smollm2_arith "
+                             "(SmolLM2-135M-Instruct, fetched on first use)")
+    parser.add_argument("--max-batches", type=int, default=None,
+                        help="stop a run that has not reached the target after this many batches "
+                             "(default: 200 for default, 40 for smollm2_arith)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--target", type=float, default=TARGET, help="held-out accuracy to reach")
     parser.add_argument("--trl-lr", type=float, default=None, help="override the peer's tuned lr")
@@ -226,6 +321,12 @@ def main() -> None:
     parser.add_argument("--tune-batches", type=int, default=60, help="batches per tuning run")
     parser.add_argument("--tune-lrs", type=float, nargs="+", default=[3e-5, 1e-4, 3e-4])
     parser.add_argument("--tune-threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--tune-precisions", nargs="+", choices=("fp32", "bf16"), default=None,
+                        help="tune over these precisions only (default: both)")
+    parser.add_argument("--tune-checkpointing", type=lambda x: x == "on", nargs="+", default=[False, True],
+                        metavar="{on,off}", help="tune over these gradient-checkpointing settings (default: both)")
+    parser.add_argument("--tune-eval-every", type=int, default=EVAL_EVERY_BATCHES,
+                        help="held-out evaluation every this many batches in tuning runs (0: speed only)")
     parser.add_argument("--only", choices=("dapo", "trl"), help="run one side only")
     parser.add_argument("--dapo-override", action="append", default=[], help="extra `dapo run` override")
     parser.add_argument("--work", default=None, help="folder for runs and logs (default: a temp folder)")
@@ -252,16 +353,18 @@ def main() -> None:
 
 def compare(args: argparse.Namespace, work: Path, loads: list[str], head: str) -> str:
     knobs, rows = peer_knobs(args), []
+    max_batches = args.max_batches or MAX_BATCHES[args.workload]
     for seed in args.seeds:  # interleaved: machine load drifts hit both sides alike
         if args.only != "trl":
-            rows.append(run_dapo(seed, work, args.dapo_override, args.target))
+            rows.append(run_dapo(seed, work, args.dapo_override, args.target, args.workload, max_batches))
             print(table([rows[-1]], args.target).splitlines()[-1], rows[-1].get("startup", ""), flush=True)
         if args.only != "dapo":
-            rows.append(run_trl(seed, knobs, work, args.target))
+            rows.append(run_trl(seed, knobs, work, args.target, args.workload, max_batches))
             print(table([rows[-1]], args.target).splitlines()[-1], flush=True)
         loads.append(load_avg())
     report = (f"{head}, load average (1/5/15 min) before and after each seed: {'; '.join(loads)}\n\n"
-              + table(rows, args.target) + "\n\n" + summary(rows, args.target) + "\n")
+              + table(rows, args.target) + "\n\n" + summary(rows, args.target) + "\n\n"
+              + breakdown_table(rows, args.workload) + "\n")
     startups = [r["startup"] for r in rows if r.get("startup")]
     if startups:
         report += "\ndapo start-up lines:\n\n" + "\n".join(f"    {s}" for s in startups) + "\n"
