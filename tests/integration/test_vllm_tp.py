@@ -24,8 +24,11 @@ ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 
 
-def _run(model_dir: Path, tp: int) -> dict:
-    out = subprocess.run([sys.executable, str(HERE / "vllm_tp.py"), str(model_dir), str(tp)], cwd=ROOT,
+HANG_TIMEOUT_S = 3
+
+
+def _run(model_dir: Path, tp: int, *hang: str) -> dict:
+    out = subprocess.run([sys.executable, str(HERE / "vllm_tp.py"), str(model_dir), str(tp), *hang], cwd=ROOT,
                          capture_output=True, text=True, timeout=400)
     line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line is not None, out.stdout[-3000:] + out.stderr[-3000:]
@@ -44,11 +47,17 @@ def _reference_logprobs(models: dict, prompt: list[int], sample: dict) -> list[f
     return out
 
 
+@pytest.fixture(scope="module")
+def tp2(random_tiny_model) -> dict:
+    """The TP=2 run, its hung load at the end (one engine start for both tests)."""
+    return _run(random_tiny_model, 2, str(HANG_TIMEOUT_S))
+
+
 @pytest.mark.timeout(900)
-def test_tp2_loads_shards_and_samples_what_tp1_and_transformers_do(random_tiny_model):
+def test_tp2_loads_shards_and_samples_what_tp1_and_transformers_do(random_tiny_model, tp2):
     from transformers import AutoModelForCausalLM
 
-    tp2, tp1 = _run(random_tiny_model, 2), _run(random_tiny_model, 1)
+    tp2, tp1 = {k: v for k, v in tp2.items() if k != "hang"}, _run(random_tiny_model, 1)
     # Two worker processes (neither is this test's engine process), each with half the q/k/v rows:
     # (4 query + 2 key + 2 value heads) x 32 dims = 256 rows at TP=1.
     assert tp1.pop("workers")[0][1] == 256
@@ -70,15 +79,11 @@ def test_tp2_loads_shards_and_samples_what_tp1_and_transformers_do(random_tiny_m
     assert [s["tokens"] for s in tp2["v0"]] != [s["tokens"] for s in tp2["reloaded"]]
 
 
-@pytest.mark.timeout(400)
-def test_a_load_into_hung_tp_workers_fails_after_its_deadline_and_close_ends_them(random_tiny_model):
-    out = subprocess.run([sys.executable, str(HERE / "vllm_tp_hang.py"), str(random_tiny_model), "3"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=360)
-    line = next((x for x in out.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert line is not None, out.stdout[-3000:] + out.stderr[-3000:]
-    result = json.loads(line.removeprefix("RESULT "))
+@pytest.mark.timeout(900)
+def test_a_load_into_hung_tp_workers_fails_after_its_deadline_and_close_ends_them(tp2):
+    result = tp2["hang"]
     assert result["raised"].startswith("WeightLoadTimeout: vLLM's 2 model workers did not finish loading"), result
-    assert "weights.sync_timeout_s = 3 s" in result["raised"], result
-    assert 3 <= result["load_s"] < 20, result  # the deadline, not the worker's hour-long hang
+    assert f"weights.sync_timeout_s = {HANG_TIMEOUT_S} s" in result["raised"], result
+    assert HANG_TIMEOUT_S <= result["load_s"] < 20, result  # the deadline, not the worker's hour-long hang
     assert result["workers"] == 2 and result["alive"] == [] and result["close_s"] < 60, result  # close ended them
-    assert result["version"] == 0, result  # the failed load did not become version 1
+    assert result["version"] == result["version_before"] == 2, result  # the failed load did not become version 3
