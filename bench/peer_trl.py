@@ -97,9 +97,10 @@ TUNED: dict[str, PeerKnobs] = {
     # Provisional, until `bench_long_response.py --trl-tune` runs on a quiet machine: lr is dapo's
     # (learner.lr: the benchmark measures throughput, not learning), the rest as "default".
     "long_response": PeerKnobs(learning_rate=1e-4, bf16=False, gradient_checkpointing=False, threads=2),
-    # SmolLM2-135M (experiment=smollm2_arith): bf16 autocast is the faster precision on this CPU (issue 22,
-    # by hand: 43 s a batch against 60 s in fp32, 2 threads, checkpointing off); lr is dapo's preset lr.
-    # Replaced by `vs_trl.py --workload smollm2_arith --tune ...` where bench/RESULTS.md has its table.
+    # SmolLM2-135M (experiment=smollm2_arith), 2 threads, checkpointing off, lr dapo's preset lr: on an
+    # AMX CPU bf16 autocast was the faster precision (issue 22: 43 s a batch, fp32 60 s); on the 2-vCPU
+    # EPYC without AMX the two tie (2026-12-02, one run each: bf16 226 / 153 s, fp32 208 / 162 / 151 s;
+    # bench/RESULTS.md "A real model"). Not tuned over lr or threads yet (~150 s a batch).
     "smollm2_arith": PeerKnobs(learning_rate=1e-5, bf16=True, gradient_checkpointing=False, threads=2),
 }
 """The setting each comparison uses: the best of ``tune`` on that workload. To update one, run its

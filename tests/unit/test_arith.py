@@ -76,6 +76,9 @@ def test_smollm2_arith_preset():
     assert (cfg.learner.lr, cfg.algorithm.num_prompts_per_step, cfg.algorithm.num_samples_per_prompt,
             cfg.actor.max_response_tokens, cfg.algorithm.max_staleness_steps, cfg.actor.temperature) == (
         1e-5, 8, 8, 48, 1, 1.0)
+    # Held-out problems go to the actors' engine, and the last version is among those evaluated (the
+    # run's final line reports it).
+    assert cfg.learner.eval_on == "actors" and cfg.learner.total_steps % cfg.learner.eval_every_steps == 0
     held_out = data.rows_for(cfg.data.eval_path, "eval", cfg)
     assert len(held_out) == cfg.data.builtin_num_eval_prompts >= 128
     assert held_out == arith.make_rows("eval", 128, data.BUILTIN_EVAL_SEED)  # the same set in every run
