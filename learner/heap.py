@@ -37,6 +37,29 @@ def _trim_function():
     return _libc.malloc_trim if _libc is not None else None
 
 
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def heap_stats() -> dict[str, float]:
+    """glibc's allocator, summed over its arenas (``mallinfo2``): MB the program holds in heap blocks
+    (``memory/heap_in_use_mb``), MB free inside the heaps that RSS may still count
+    (``memory/heap_free_mb``: fragmentation), and MB of large blocks mmapped one by one
+    (``memory/heap_mmapped_mb``). Which of them grows tells a leak (in use, mmapped) from
+    fragmentation (free). {} where the C library has no mallinfo2 (glibc < 2.33, musl, macOS)."""
+    _trim_function()
+    fn = getattr(_libc, "mallinfo2", None) if _libc is not None else None
+    if fn is None:
+        return {}
+    fn.restype = _Mallinfo2
+    m = fn()
+    mib = float(1 << 20)
+    return {"memory/heap_in_use_mb": m.uordblks / mib, "memory/heap_free_mb": m.fordblks / mib,
+            "memory/heap_mmapped_mb": m.hblkhd / mib}
+
+
 def release_free_heap() -> float:
     """Return the free pages of every malloc arena to the OS; the seconds it took (0 without glibc)."""
     trim = _trim_function()

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from dapo.config import DapoConfig
 from learner import checkpoint
 from learner.batch import batch_metrics, from_groups, scatter_batch
-from learner.heap import release_free_heap
+from learner.heap import heap_stats, release_free_heap
 from learner.rank0 import Rank0Services
 from learner.trainer import Trainer
 
@@ -255,6 +255,7 @@ def log_step(services: Rank0Services, step: int, groups: list, batch: Any, value
               "learner/idle_fraction": values["time/wait_batch_s"] / max(step_s, 1e-9),
               "throughput/tokens_per_s": float(batch.tokens.numel()) / max(step_s, 1e-9)}
     record["memory/learner_rss_mb"] = psutil.Process().memory_info().rss / 2**20  # rank 0; flat after warm-up
+    record.update(heap_stats())  # after the step's trim: what glibc holds in use, free and mmapped
     status = services.coordinator.status()
     record["actors/alive"] = float(len(status["actors"]))
     uptime_ms = sum(a["counters"].get("uptime_ms", 0) for a in status["actors"])  # 0 before a heartbeat

@@ -13,7 +13,7 @@ import pytest
 # Runs in a child: the pytest process's heap and mmap threshold are whatever earlier tests left.
 CHILD = textwrap.dedent("""
     import ctypes, json
-    from learner.heap import release_free_heap
+    from learner.heap import heap_stats, release_free_heap
 
     libc = ctypes.CDLL("libc.so.6")
     libc.malloc.restype = ctypes.c_void_p
@@ -34,9 +34,11 @@ CHILD = textwrap.dedent("""
     blocks = [touched(4 * MiB) for _ in range(40)]  # now from the heap (brk), back to back
     for p in blocks[:-1]:
         libc.free(p)  # 156 MiB free below the live last block: not at the top, so not trimmed by free
-    before = rss_mib()
+    before, stats_live = rss_mib(), heap_stats()
     seconds = release_free_heap()
-    print(json.dumps({"before": before, "after": rss_mib(), "seconds": seconds}))
+    libc.free(blocks[-1])
+    print(json.dumps({"before": before, "after": rss_mib(), "seconds": seconds, "live": stats_live,
+                      "freed": heap_stats()}))
 """)
 
 
@@ -53,3 +55,7 @@ def test_release_free_heap_returns_freed_blocks_below_a_live_one():
     res = json.loads(out.stdout)
     assert res["before"] - res["after"] >= 120, res  # most of the 156 MiB went back
     assert res["seconds"] < 1.0, res
+    # mallinfo2 saw it the same way: the last 4 MiB block in use, the 156 MiB below it free (not a leak)
+    live, freed = res["live"], res["freed"]
+    assert live["memory/heap_free_mb"] >= 156 and live["memory/heap_in_use_mb"] >= 4, res
+    assert 3.9 <= live["memory/heap_in_use_mb"] - freed["memory/heap_in_use_mb"] <= 4.1, res  # the last block
