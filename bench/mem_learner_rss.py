@@ -74,7 +74,7 @@ def main() -> int:
 def run(cfg, args) -> int:
     from transformers import AutoModelForCausalLM
 
-    from learner.heap import release_free_heap
+    from learner.heap import heap_stats, release_free_heap
     from learner.publisher import WeightPublisher
     from learner.trainer import Trainer, TrainerSettings
     from learner.transports import SenderOptions
@@ -110,6 +110,7 @@ def run(cfg, args) -> int:
             release_free_heap()
         t_trim = time.perf_counter() - t1
         extra = f" tensors={tensors_alive()}" if args.count_tensors else ""
+        extra += "".join(f" {k.split('/')[1]} {v:.1f}" for k, v in heap_stats().items())
         print(f"step {step:3d} rss_mb {proc.memory_info().rss / 2**20:8.1f} tokens {batch.tokens.numel():5d} "
               f"train_s {t_train:6.2f} trim_s {t_trim:.3f}{extra}", flush=True)
     if pub is not None:

@@ -33,3 +33,18 @@ def service_env() -> dict[str, str]:
 def apply_service_env() -> None:
     """Set ``service_env()`` in this process; call before importing torch or vllm."""
     os.environ.update(service_env())
+
+
+LEARNER_ENV = {"LRU_CACHE_CAPACITY": "8", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "8"}
+"""Learner processes only: oneDNN's primitive cache and PyTorch's ideep cache (its CPU bf16 matmuls)
+keep an entry per input shape, 1,024 each by default, and a learner's shapes change every step
+(token counts per micro-batch): the SmolLM2-135M learner's heap grew ~17 MB a step in use
+(glibc's mallinfo2: not fragmentation), 0 with both at 8, no slower (bench/mem_learner_rss.py,
+bench/RESULTS.md "A real model"). Read at the first matmul, so setting them after importing torch
+works. Not for the actors: vLLM's own kernels decide there."""
+
+
+def apply_learner_env() -> None:
+    """Set ``LEARNER_ENV`` in this process (values already set by the user win)."""
+    os.environ.update({k: os.environ.get(k, v) for k, v in LEARNER_ENV.items()})
+

@@ -4,10 +4,12 @@ Why: a training step allocates and frees activation, gradient and all-gather buf
 follow the batch's lengths. glibc raises its mmap threshold to the size of each freed mmapped block
 (up to 32 MiB), so after the first steps these buffers (a few MiB each for SmolLM2-135M) come from
 the heap; freed, they leave holes between live blocks, which glibc returns only from the heap's top.
-Each new mix of lengths then grows the heap a little more: the smollm2_arith learner grew ~25 MB a
-step (5.2 GB at step 2, 5.9 GB at step 19). ``malloc_trim(0)`` also releases free pages in the middle
-of every arena (glibc >= 2.8, ``madvise(MADV_DONTNEED)``): RSS is flat after warm-up, for ~0.2 s a
-step (bench/mem_learner_rss.py; numbers in the commit that added this module).
+``malloc_trim(0)`` also releases free pages in the middle of every arena (glibc >= 2.8,
+``madvise(MADV_DONTNEED)``), for ~0.2 s a step: the SmolLM2 learner holds ~1.7 GB free inside its
+heaps between steps (``memory/heap_free_mb``) that RSS would otherwise count.
+
+The SmolLM2 learner's steady growth (~17 MB a step) was not this: glibc's bytes *in use* grew
+(``heap_stats``), from CPU matmul caches keyed by shape; ``dapo.runtime.LEARNER_ENV`` bounds them.
 
 Not ``MALLOC_MMAP_THRESHOLD_`` (every buffer above it mmapped and page-faulted afresh each step):
 as flat, but steps ~30 % slower on this VM. Not jemalloc: an LD_PRELOAD the launcher would have to

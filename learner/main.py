@@ -10,9 +10,10 @@ from datetime import timedelta
 from pathlib import Path
 
 from dapo.launch import die_with_parent
-from dapo.runtime import apply_service_env
+from dapo.runtime import apply_learner_env, apply_service_env
 
 apply_service_env()
+apply_learner_env()  # before the first matmul: bounded CPU matmul caches (dapo/runtime.py)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

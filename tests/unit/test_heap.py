@@ -59,3 +59,53 @@ def test_release_free_heap_returns_freed_blocks_below_a_live_one():
     live, freed = res["live"], res["freed"]
     assert live["memory/heap_free_mb"] >= 156 and live["memory/heap_in_use_mb"] >= 4, res
     assert 3.9 <= live["memory/heap_in_use_mb"] - freed["memory/heap_in_use_mb"] <= 4.1, res  # the last block
+
+
+# bf16 matmuls of 200 new shapes (CPU autocast: oneDNN through ideep), as a learner's token counts
+# change every step; glibc's bytes in use before and after.
+SHAPES_CHILD = textwrap.dedent("""
+    import json, os, sys
+    import torch
+    from dapo.runtime import apply_learner_env
+    from learner.heap import heap_stats, release_free_heap
+
+    if sys.argv[1] == "learner":
+        apply_learner_env()
+    torch.set_num_threads(1)
+    w = torch.randn(256, 256, requires_grad=True)
+
+    def step(m):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = (torch.randn(m, 256) @ w).float().sum()
+        y.backward()
+
+    for m in range(1, 9):
+        step(m)
+    release_free_heap()
+    before = heap_stats()["memory/heap_in_use_mb"]
+    for m in range(9, 209):
+        step(m)
+    release_free_heap()
+    print(json.dumps({"growth_mb": heap_stats()["memory/heap_in_use_mb"] - before}))
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None,
+                    reason="mallinfo2 is glibc's")
+def test_the_learner_env_bounds_the_cpu_matmul_caches_that_grow_with_every_new_shape():
+    import json
+
+    import torch
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    env = {k: v for k, v in os.environ.items() if k not in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")}
+    env["OMP_NUM_THREADS"] = "1"
+    growth = {}
+    for role in ("default", "learner"):
+        out = subprocess.run([sys.executable, "-c", SHAPES_CHILD, role], env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        growth[role] = json.loads(out.stdout.splitlines()[-1])["growth_mb"]
+    # torch's defaults keep ~1 MB a shape here (1,024 entries per cache); the learner's setting keeps none
+    assert growth["default"] > 50 and growth["learner"] < 5, growth
