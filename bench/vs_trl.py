@@ -113,9 +113,9 @@ def trl_breakdown(raw: dict) -> dict:
 
 def run_tune(args: argparse.Namespace, work: Path) -> str:
     grid = knob_grid(args.tune_lrs, args.tune_threads)
-    if args.tune_precisions:  # a subset of the grid: e.g. the precision and threads alone, lr fixed
-        grid = [k for k in grid if ("bf16" if k.bf16 else "fp32") in args.tune_precisions
-                and k.gradient_checkpointing in args.tune_checkpointing]
+    precisions = args.tune_precisions or ("fp32", "bf16")  # a subset of the grid, e.g. precision alone
+    grid = [k for k in grid if ("bf16" if k.bf16 else "fp32") in precisions
+            and k.gradient_checkpointing in args.tune_checkpointing]
     rows = tune(args.workload, grid, seeds=args.seeds, batches=args.tune_batches,
                 eval_every_batches=args.tune_eval_every, work=work)
     best, why = choose(rows, speed_key="steady_s_per_batch", lower_is_better=True)
