@@ -71,8 +71,9 @@ def main() -> None:
     rows = [(b, measure(model_path, prompts, block=b, sizes=args.prompts, reps=args.reps)) for b in (128, 32)]
     base = rows[0][1]
     started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lines = [f"`.venv/bin/python bench/bench_vllm_cpu.py {' '.join(sys.argv[1:])}` — {started}, {os.cpu_count()} CPUs, "
-             f"load average {os.getloadavg()[0]:.1f}; prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens",
+    lengths = f"{min(map(len, prompts))}-{max(map(len, prompts))}"
+    lines = [f"`.venv/bin/python bench/bench_vllm_cpu.py {' '.join(sys.argv[1:])}` — {started}, "
+             f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; prompts of {lengths} tokens",
              "", "| KV block tokens | prefill 8 x 8 s (ratio) | "
              + " | ".join(f"{s} x 8 tok/s (ratio)" for s in args.prompts) + " |",
              "|---|---|" + "---|" * len(args.prompts)]

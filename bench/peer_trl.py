@@ -62,7 +62,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
 TRL_VERSION = "1.16.0"
-WORKLOADS = {"default": [], "long_response": ["experiment=long_response"], "smollm2_arith": ["experiment=smollm2_arith"]}
+WORKLOADS = {"default": [], "long_response": ["experiment=long_response"],
+             "smollm2_arith": ["experiment=smollm2_arith"]}
 """Workload name -> `dapo run` / load_config overrides (the same on both sides)."""
 
 

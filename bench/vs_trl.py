@@ -260,7 +260,8 @@ def breakdown_table(rows: list[dict], workload: str) -> str:
             wait, idle_l, idle_a = fmt(r.get("break_wait_s"), ".2f"), fmt(r.get("learner_idle"), ".2f"), \
                 fmt(r.get("actor_idle"), ".2f")
         else:
-            gen, sync, wait, idle_l, idle_a = fmt(r.get("break_generate_s"), ".2f"), "0 (one process)", "—", "—", "—"
+            gen, sync = fmt(r.get("break_generate_s"), ".2f"), "0 (one process)"
+            wait = idle_l = idle_a = "—"
         lines.append(f"| {r['system']} | {r['seed']} | {fmt(step, '.2f')} | "
                      f"{fmt(samples / step if step else None, '.2f')} | {gen} | {wait} | "
                      f"{fmt(r.get('break_train_s'), '.2f')} | {sync} | {fmt(r.get('break_eval_s'), '.2f')} | "

@@ -47,4 +47,3 @@ works. Not for the actors: vLLM's own kernels decide there."""
 def apply_learner_env() -> None:
     """Set ``LEARNER_ENV`` in this process (values already set by the user win)."""
     os.environ.update({k: os.environ.get(k, v) for k, v in LEARNER_ENV.items()})
-
