@@ -26,23 +26,27 @@ _libc: ctypes.CDLL | None = None
 _looked_up = False
 
 
-def _trim_function():
-    """libc's ``malloc_trim``, or None where the C library has none (musl, macOS)."""
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def _c_library() -> ctypes.CDLL | None:
+    """The C library, looked up once, with the signatures used here; None where it cannot be loaded.
+    ``malloc_trim`` and ``mallinfo2`` are glibc's: absent on musl and macOS (``getattr`` gives None)."""
     global _libc, _looked_up
     if not _looked_up:
         _looked_up = True
         try:
             _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        except OSError:
+            return None
+        if hasattr(_libc, "malloc_trim"):
             _libc.malloc_trim.argtypes = [ctypes.c_size_t]
-        except (OSError, AttributeError):
-            _libc = None
-    return _libc.malloc_trim if _libc is not None else None
-
-
-class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
+        if hasattr(_libc, "mallinfo2"):
+            _libc.mallinfo2.restype = _Mallinfo2
+    return _libc
 
 
 def heap_stats() -> dict[str, float]:
@@ -51,11 +55,9 @@ def heap_stats() -> dict[str, float]:
     (``memory/heap_free_mb``: fragmentation), and MB of large blocks mmapped one by one
     (``memory/heap_mmapped_mb``). Which of them grows tells a leak (in use, mmapped) from
     fragmentation (free). {} where the C library has no mallinfo2 (glibc < 2.33, musl, macOS)."""
-    _trim_function()
-    fn = getattr(_libc, "mallinfo2", None) if _libc is not None else None
+    fn = getattr(_c_library(), "mallinfo2", None)
     if fn is None:
         return {}
-    fn.restype = _Mallinfo2
     m = fn()
     mib = float(1 << 20)
     return {"memory/heap_in_use_mb": m.uordblks / mib, "memory/heap_free_mb": m.fordblks / mib,
@@ -64,7 +66,7 @@ def heap_stats() -> dict[str, float]:
 
 def release_free_heap() -> float:
     """Return the free pages of every malloc arena to the OS; the seconds it took (0 without glibc)."""
-    trim = _trim_function()
+    trim = getattr(_c_library(), "malloc_trim", None)
     if trim is None:
         return 0.0
     t0 = time.perf_counter()
