@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 import subprocess
 
@@ -17,6 +18,14 @@ def free_ports(n: int) -> list[int]:
     for s in socks:
         s.close()
     return ports
+
+
+def coordinator_line(log_text: str) -> str | None:
+    """The learner's "learner: coordinator ADDR, replay ..., weights ..." line, once it is whole.
+    Found anywhere on a line, not only at its start: both ranks share the log, and another rank's
+    unfinished line (a warning, a progress bar) can come just before it (CI saw this)."""
+    found = re.search(r"learner: coordinator \S+, [^\n]*\n", log_text)
+    return found.group(0).rstrip("\n") if found else None
 
 
 def kill_tree(proc: subprocess.Popen) -> None:

@@ -33,6 +33,7 @@ import pytest
 import zmq
 
 from tests.chaos.cluster import ROOT, kill_tree, wait_for
+from tests.procs import coordinator_line
 
 pytestmark = pytest.mark.slow
 
@@ -218,8 +219,7 @@ def test_learner_without_actors_stops_with_a_clear_error_and_binds_loopback_by_d
                             cwd=ROOT, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
-        line = wait_for("the learner's services", lambda: next(
-            (x for x in log.read_text().splitlines() if x.startswith("learner: coordinator ")), None), 180,
+        line = wait_for("the learner's services", lambda: coordinator_line(log.read_text()), 180,
             lambda: "" if proc.poll() is None else f"learner exited ({proc.returncode}): {log.read_text()[-2000:]}")
         t_up = time.monotonic()
         ports = {int(p) for p in re.findall(r":(\d+)", line)}

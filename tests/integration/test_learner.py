@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.procs import kill_tree
+from tests.procs import coordinator_line, kill_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -81,10 +81,9 @@ class Learner:
         self.proc = subprocess.Popen([sys.executable, "-m", "dapo.launch.learner_pool", *cfg], cwd=ROOT,
                                      stdout=open(self.log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 120
-        while "learner: coordinator " not in self.log.read_text():
+        while (line := coordinator_line(self.log.read_text())) is None:
             assert self.proc.poll() is None and time.monotonic() < deadline, self.log.read_text()[-3000:]
             time.sleep(0.2)
-        line = next(x for x in self.log.read_text().splitlines() if x.startswith("learner: coordinator "))
         self.grpc = line.split()[2].rstrip(",")
         found = re.search(r"collective [^\s,()]+:(\d+)", line)  # "weights collective (..., collective HOST:PORT)"
         self.collective_port = int(found.group(1)) if found else 0

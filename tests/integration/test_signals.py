@@ -94,7 +94,7 @@ class Command:
 
 def start_learner(tmp: Path, model: str, *extra: str) -> tuple[Command, str]:
     learner = Command(tmp / "learner.log", "learner", *common(model, tmp / "run"), *extra)
-    return learner, learner.wait_for(r"^learner: coordinator (\S+),", 180).group(1)
+    return learner, learner.wait_for(r"learner: coordinator (\S+), ", 180).group(1)
 
 
 def learner_step(run_dir: Path) -> int:
