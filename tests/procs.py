@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import subprocess
 
 import psutil
+import pytest
+
+SOAK = bool(os.environ.get("DAPO_SOAK"))
+"""DAPO_SOAK=1: also run the variants CI's budget (15 minutes on 2 cores) leaves out."""
+
+
+def soak_variant(*values, why: str):
+    """A parametrize case that only DAPO_SOAK=1 runs; ``why``: what makes CI's other case enough."""
+    return pytest.param(*values, marks=pytest.mark.skipif(not SOAK, reason=f"DAPO_SOAK=1 runs it ({why})"))
 
 
 def free_ports(n: int) -> list[int]:

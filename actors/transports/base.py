@@ -15,7 +15,7 @@ from typing import Callable
 
 import torch
 
-from dapo.weights import TensorEntry, WeightError, WeightManifest, bad_chunks
+from dapo.weights import TensorEntry, WeightManifest, bad_chunks
 from protos import coordinator_pb2 as pb
 
 

@@ -17,12 +17,12 @@ with 20 kills.
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import pytest
 
 from tests.chaos.cluster import ROOT, Cluster, actor_staleness, audit_run, check_audit, wait_for
+from tests.procs import soak_variant
 
 TOTAL_STEPS, CHECKPOINT_EVERY, N, K = 40, 4, 4, 1
 OVERRIDES = [f"learner.total_steps={TOTAL_STEPS}", f"learner.checkpoint_every_steps={CHECKPOINT_EVERY}",
@@ -54,17 +54,11 @@ def model_path() -> str:
     return str(ensure_tiny_model(ROOT / ".cache" / "dapo", progress=False))  # built once, before any process
 
 
-# CI's budget (15 minutes on 2 cores) runs the in-flight mode only: its kills, learner resume and
-# audit are the same code as between batches, and it checks the per-token bound where a group mixes
-# versions. DAPO_SOAK=1 runs both (as bench/chaos_soak.py does, with more kills).
-BOTH_MODES = bool(os.environ.get("DAPO_SOAK"))
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("update_mode", [
-    pytest.param(mode, marks=pytest.mark.skipif(mode != "inflight" and not BOTH_MODES,
-                                                reason="CI runs the inflight mode only; DAPO_SOAK=1 runs this one"))
+    mode if mode == "inflight" else soak_variant(mode, why="the in-flight mode's kills, learner resume and audit "
+                                                          "are the same code, and it checks the per-token bound")
     for mode in UPDATE_MODES])
 def test_three_actor_kills_and_a_learner_kill_lose_nothing(tmp_path, model_path, update_mode):
     from learner.checkpoint import latest_checkpoint

@@ -11,7 +11,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 from actors.transports.collective import CollectiveWeightReceiver  # noqa: E402
 from dapo.weights import WeightManifest  # noqa: E402

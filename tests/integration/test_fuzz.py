@@ -5,11 +5,9 @@ keep working afterwards. Seeded mutations of valid encodings keep generation che
 from __future__ import annotations
 
 import random
-import time
 
 import grpc
 import msgpack
-import numpy as np
 import pytest
 import zmq
 

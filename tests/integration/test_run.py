@@ -58,7 +58,7 @@ def test_dapo_run_learns_within_the_staleness_bound_and_writes_the_run_folder(tm
     assert any((run_dir / "tensorboard").iterdir())
     resolved = json.loads((run_dir / "config.resolved.json").read_text())
     assert resolved["algorithm"]["max_staleness_steps"] == K
-    assert "target 0.8" in text and f"learner exited (0)" in text
+    assert "target 0.8" in text and "learner exited (0)" in text
 
     # No orphans: every process the launcher started is gone.
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout

@@ -25,7 +25,7 @@ from dapo.config import TransportConfig
 from protos import coordinator_pb2 as pb
 from actors.client import CoordinatorClient
 from learner.evaluate import PROCESS_NAME as EVAL_PROCESS
-from tests.procs import kill_tree
+from tests.procs import kill_tree, soak_variant
 
 pytestmark = pytest.mark.slow
 
@@ -132,7 +132,8 @@ def verifier_worker(actor: Command) -> psutil.Process:
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("sig", [signal.SIGINT, soak_variant(signal.SIGTERM, why="one stop handler takes both")],
+                         ids=["SIGINT", "SIGTERM"])
 def test_signal_stops_actor_then_learner_cleanly_and_weight_loads_log_nothing(tmp_path, model_path, sig):
     # 127.0.0.1 with the default token: loopback keeps working without a token. Held-out evaluation
     # on (its process must end by itself when the learner closes its pipe).
@@ -253,7 +254,7 @@ def rank_lines(log: str, pattern: str) -> list[str]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.parametrize("ranks", [soak_variant(1, why="2 ranks: rank 0 fails as with 1, and rank 1 follows"), 2])
 def test_a_learner_failure_with_evaluation_on_exits_nonzero_within_a_bound_and_leaves_no_process(
         tmp_path, model_path, ranks):
     # No actor: rank 0's wait for a batch times out. The evaluation process must not keep the rank

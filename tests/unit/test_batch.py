@@ -8,7 +8,6 @@ import math
 
 import numpy as np
 import pytest
-import torch
 
 from dapo.config import AlgorithmConfig
 from dapo.wire import TrajectoryGroup

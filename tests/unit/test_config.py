@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from dapo.config import CONF_DIR, AlgorithmConfig, ConfigError, DapoConfig, load_config
+from dapo.config import CONF_DIR, AlgorithmConfig, ConfigError, load_config
 
 # The paper's Table 1 is cumulative: each row adds one technique to the one above it.
 GRPO = dict(eps_low=0.2, eps_high=0.2, loss_agg="seq-mean-token-mean", std_normalize=True,
