@@ -49,12 +49,15 @@ import numpy as np
 
 from actors.client import AuthError, CoordinatorClient, GroupPusher, LearnerUnavailable, SessionLost
 from actors.engines import Engine, Sample
+from actors.env_pool import EnvPool
+from actors.episodes import EpisodeRow, EpisodeSample, run_episodes
 from actors.metrics import ActorMetrics, GenerationLog
 from actors.transports import RECEIVERS
 from actors.transports.base import Follower
-from actors.verifier import Verifier
+from actors.verifier import Verdict, Verifier
 from dapo.algorithm import overlong_penalty
 from dapo.config import DapoConfig
+from dapo.envs import env_spec
 from dapo.wire import TrajectoryGroup, encode_group
 from protos import coordinator_pb2 as pb
 
@@ -85,8 +88,12 @@ class Session:
 class Actor:
     def __init__(self, cfg: DapoConfig, client: CoordinatorClient, engine: Engine, verifier: Verifier,
                  decode: Callable[[list[int]], str], fetch_weights: Callable[[int], tuple[int, dict]],
-                 metrics: ActorMetrics, stop: threading.Event) -> None:
-        self.cfg, self.client, self.engine, self.verifier = cfg, client, engine, verifier
+                 metrics: ActorMetrics, stop: threading.Event,
+                 encode: Callable[[str], list[int]] | None = None) -> None:
+        """``encode``: text -> token ids, for environments' observations (multi-turn episodes)."""
+        self.cfg, self.client, self.engine, self.verifier, self.encode = cfg, client, engine, verifier, encode
+        self.env_pool: EnvPool | None = None
+        """Environment workers, started with the first multi-turn lease."""
         self.decode, self.fetch_weights, self.metrics, self.stop = decode, fetch_weights, metrics, stop
         self.session: Session | None = None
         self.latest_version = 0
@@ -249,19 +256,49 @@ class Actor:
                 self.stop.wait(max(resp.retry_after_s, 0.01))
         return []
 
+    def multi_turn(self, leases: list[pb.PromptLease]) -> bool:
+        """Whether these leases' rows are episodes of an environment (else: one turn, the verifier)."""
+        return any(env_spec(lease.data_source, self.cfg.actor.env) for lease in leases)
+
+    def episodes(self, leases: list[pb.PromptLease], n: int, seed: int, *, inflight: bool) -> list[list[EpisodeSample]]:
+        """``n`` episodes per lease through the environment workers (``actors/episodes.py``)."""
+        run, a = self._session().run, self.cfg.actor
+        if self.env_pool is None:
+            if self.encode is None:
+                raise ValueError("multi-turn rows need the actor's tokenizer to encode observations (encode=...)")
+            self.env_pool = EnvPool(a.env_workers, a.env_timeout_s, a.reward_fn)
+        rows = [EpisodeRow(list(lease.prompt_token_ids), lease.data_source, lease.ground_truth,
+                           env_spec(lease.data_source, a.env)) for lease in leases]
+        out = run_episodes(self.engine, rows, n, self.env_pool, decode=self.decode, encode=self.encode,
+                           max_tokens=run.max_response_tokens, max_turns=a.max_turns, temperature=run.temperature,
+                           top_p=run.top_p, seed=seed, chunk_tokens=a.inflight_chunk_tokens if inflight else None,
+                           between_chunks=self.update_weights if inflight else None)
+        episodes = [e for group in out for e in group]
+        for name, value in (("episodes", len(episodes)), ("turns", sum(e.turns for e in episodes)),
+                            ("tool_calls", sum(e.tool_calls for e in episodes)),
+                            ("tool_failures", sum(e.tool_failures for e in episodes)),
+                            ("observation_tokens", sum(e.num_tokens - e.model_tokens for e in episodes))):
+            self.metrics.add(name, value)
+        self.metrics.counters["env_errors"] = self.env_pool.num_errors
+        self.metrics.counters["env_timeouts"] = self.env_pool.num_timeouts
+        return out
+
     def generate(self, leases: list[pb.PromptLease]) -> list[list[Sample]]:
         run = self._session().run
         inflight = self.cfg.actor.update_mode == "inflight"
         seed = int(np.random.SeedSequence([self.cfg.actor.seed, self._session().actor_id,
                                            self.batch_index]).generate_state(1)[0] % (2**31))
         self.batch_index += 1
-        with self.metrics.stage("generate"):
-            groups = self.engine.generate([list(lease.prompt_token_ids) for lease in leases],
-                                          n=run.num_samples_per_prompt, max_tokens=run.max_response_tokens,
-                                          temperature=run.temperature, top_p=run.top_p, seed=seed,
-                                          chunk_tokens=self.cfg.actor.inflight_chunk_tokens if inflight else None,
-                                          between_chunks=self.update_weights if inflight else None,
-                                          reprefill=self.cfg.actor.inflight_reprefill)
+        with self.metrics.stage("generate"):  # multi-turn: the environment's steps included
+            if self.multi_turn(leases):
+                groups = self.episodes(leases, run.num_samples_per_prompt, seed, inflight=inflight)
+            else:
+                groups = self.engine.generate(
+                    [list(lease.prompt_token_ids) for lease in leases], n=run.num_samples_per_prompt,
+                    max_tokens=run.max_response_tokens, temperature=run.temperature, top_p=run.top_p, seed=seed,
+                    chunk_tokens=self.cfg.actor.inflight_chunk_tokens if inflight else None,
+                    between_chunks=self.update_weights if inflight else None,
+                    reprefill=self.cfg.actor.inflight_reprefill)
         samples = [s for g in groups for s in g]
         self.metrics.add("samples_generated", len(samples))
         self.metrics.add("tokens_generated", sum(s.num_tokens for s in samples))
@@ -280,13 +317,17 @@ class Actor:
         # One seed per version (not per actor): a re-issued prompt draws the same noise on a torch engine.
         seed = int(np.random.SeedSequence([self.cfg.actor.seed, version, EVAL_SEED_TAG]).generate_state(1)[0] % (2**31))
         with self.metrics.stage("evaluate"):
-            samples = [g[0] for g in self.engine.generate(
-                [list(e.prompt_token_ids) for e in evals], n=1, max_tokens=run.max_response_tokens,
-                temperature=run.temperature, top_p=run.top_p, seed=seed)]
-            if self.stop.is_set():
-                return
-            verdicts = self.verifier.score_many([(e.data_source, self.decode(s.token_ids), e.ground_truth)
-                                                 for e, s in zip(evals, samples)])
+            if self.multi_turn(evals):  # episodes, scored by their environment
+                samples = [g[0] for g in self.episodes(evals, 1, seed, inflight=False)]
+                verdicts = [Verdict(s.reward, s.acc, "") for s in samples]
+            else:
+                samples = [g[0] for g in self.engine.generate(
+                    [list(e.prompt_token_ids) for e in evals], n=1, max_tokens=run.max_response_tokens,
+                    temperature=run.temperature, top_p=run.top_p, seed=seed)]
+                if self.stop.is_set():
+                    return
+                verdicts = self.verifier.score_many([(e.data_source, self.decode(s.token_ids), e.ground_truth)
+                                                     for e, s in zip(evals, samples)])
         self.metrics.add("eval_prompts_sampled", len(evals))
         results = [pb.EvalResult(eval_lease_id=e.eval_lease_id, score=v.reward, correct=v.acc,
                                  response_tokens=s.num_tokens, truncated=s.finish_reason == "length")
@@ -299,6 +340,9 @@ class Actor:
 
     def score_and_shape(self, leases: list[pb.PromptLease], groups: list[list[Sample]]) -> list[TrajectoryGroup]:
         session = self._session()
+        if groups and isinstance(groups[0][0], EpisodeSample):  # scored by their environment already
+            return [build_group(session, lease, samples, [s.reward for s in samples], [s.acc for s in samples],
+                                session.run) for lease, samples in zip(leases, groups)]
         out = []
         with self.metrics.stage("score"):
             # One pipelined call for the whole batch; a hang costs its own deadline only.
@@ -360,6 +404,9 @@ class Actor:
         return session
 
     def close_session(self) -> None:
+        if self.env_pool is not None:
+            self.env_pool.close()
+            self.env_pool = None
         if self.session is not None:
             self.session.closed.set()
             self.session.pusher.close()
@@ -407,11 +454,15 @@ class Actor:
 
 def build_group(session: Session, lease: pb.PromptLease, samples: list[Sample], scores: list[float],
                 accs: list[bool], run: pb.RunParams) -> TrajectoryGroup:
-    """A wire group from one lease's samples: overlong shaping, per-token version changes."""
+    """A wire group from one lease's samples: overlong shaping, per-token version changes. An
+    episode's observation tokens have loss mask 0 and do not count towards the overlong penalty."""
+    episodes = [s if isinstance(s, EpisodeSample) else None for s in samples]
+    masks = [np.asarray(e.loss_mask if e else np.ones(s.num_tokens), dtype=np.uint8) for e, s in zip(episodes, samples)]
     lengths = np.array([s.num_tokens for s in samples], dtype=np.int32)
     rewards = np.asarray(scores, dtype=np.float64)
     if run.overlong_punishment:
-        rewards = rewards + overlong_penalty(lengths, run.max_response_tokens, run.overlong_cache_tokens)
+        model_tokens = np.array([int(m.sum()) for m in masks], dtype=np.int32)
+        rewards = rewards + overlong_penalty(model_tokens, run.max_response_tokens, run.overlong_cache_tokens)
     changes = [(i, t, v) for i, s in enumerate(samples) for t in range(1, s.num_tokens)
                if (v := s.versions[t]) != s.versions[t - 1]]
     return TrajectoryGroup(
@@ -419,9 +470,12 @@ def build_group(session: Session, lease: pb.PromptLease, samples: list[Sample], 
         prompt_ids=np.asarray(lease.prompt_token_ids, dtype=np.int32),
         response_ids=np.concatenate([np.asarray(s.token_ids, dtype=np.int32) for s in samples]),
         logprobs=np.concatenate([np.asarray(s.logprobs, dtype=np.float32) for s in samples]),
-        loss_mask=np.ones(int(lengths.sum()), dtype=np.uint8),
+        loss_mask=np.concatenate(masks),
         response_lengths=lengths,
         versions=np.array([s.versions[0] for s in samples], dtype=np.int64),
         version_changes=np.array(changes, dtype=np.int64).reshape(-1, 3),
         rewards=rewards.astype(np.float32), acc=np.asarray(accs, dtype=np.float32),
-        scores=np.asarray(scores, dtype=np.float32), finish_reasons=tuple(s.finish_reason for s in samples))
+        scores=np.asarray(scores, dtype=np.float32), finish_reasons=tuple(s.finish_reason for s in samples),
+        turns=np.array([e.turns if e else 1 for e in episodes], dtype=np.int32),
+        tool_calls=np.array([e.tool_calls if e else 0 for e in episodes], dtype=np.int32),
+        tool_failures=np.array([e.tool_failures if e else 0 for e in episodes], dtype=np.int32))

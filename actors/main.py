@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     metrics = ActorMetrics()
     stop_prometheus = serve_prometheus(metrics, cfg.actor.prometheus_port) if cfg.actor.prometheus_port > 0 else None
     actor = Actor(cfg, client, engine, verifier, lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                  weights.fetch, metrics, stop)
+                  weights.fetch, metrics, stop, encode=lambda text: tokenizer(text, add_special_tokens=False)["input_ids"])
     error = None
     try:
         actor.run()

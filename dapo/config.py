@@ -214,6 +214,17 @@ class ActorConfig:
     evaluation, stops with that error); any other exception scores -1 and counts a verifier error.
     With the default, every data_source of data.train_path and data.eval_path must have a
     verifier in dapo.rewards: checked at start-up."""
+    env: str = ""
+    """``module:Class`` of a ``dapo.envs.Environment`` that answers every row's episodes (multi-turn,
+    tools). '' (the default): each data source's own (``dapo.envs.ENVS``: ``dapo_calc`` has a
+    calculator, ``code_tests`` runs unit tests in a sandbox), else one turn scored by actor.reward_fn."""
+    max_turns: int = 4
+    """Model turns of a multi-turn episode at most (the environment's own ``max_turns`` caps it too);
+    actor.max_response_tokens caps model and observation tokens together."""
+    env_workers: int = 2
+    """Environment worker processes (steps of different episodes run in parallel)."""
+    env_timeout_s: float = 10.0
+    """An environment step that runs longer ends its episode with reward -1 (counted: env_timeouts)."""
     heartbeat_interval_s: float = 1.0
     """Seconds between heartbeats to the coordinator."""
     connect_retry_max_s: float = 10.0
@@ -245,6 +256,12 @@ class ActorConfig:
         _check(bool(module) and function.isidentifier(), "actor.reward_fn", self.reward_fn,
                "module:function, e.g. dapo.rewards:score")
         _check(self.heartbeat_interval_s > 0, "actor.heartbeat_interval_s", self.heartbeat_interval_s, "> 0")
+        module, _, cls = self.env.partition(":")
+        _check(not self.env or (bool(module) and cls.isidentifier()), "actor.env", self.env,
+               "'' or module:Class of a dapo.envs.Environment, e.g. dapo.envs:Calculator")
+        _check(self.max_turns >= 1, "actor.max_turns", self.max_turns, ">= 1")
+        _check(self.env_workers >= 1, "actor.env_workers", self.env_workers, ">= 1")
+        _check(self.env_timeout_s > 0, "actor.env_timeout_s", self.env_timeout_s, "> 0")
 
 
 @dataclass

@@ -48,6 +48,8 @@ BUILTIN_LONG = "builtin:long"
 """The built-in task's long variant (``task.make_chain_rows``: 272-430-token responses)."""
 BUILTIN_ARITH = "builtin:arith"
 """Arithmetic questions in words for a real small model (``dapo.arith``, scored ``numeric``)."""
+BUILTIN_CALC = "builtin:calc"
+"""Two-digit products with a calculator tool (``task.make_calc_rows``, multi-turn: ``dapo.envs.Calculator``)."""
 BUILTIN_EVAL_SEED = 0
 """The built-in held-out set does not depend on ``run.seed``: eval numbers compare across runs."""
 
@@ -203,7 +205,8 @@ class PromptDataset:
                       str(row["reward_model"]["ground_truth"]))
 
 
-BUILTIN_TASKS = {BUILTIN: task.make_builtin_rows, BUILTIN_LONG: task.make_chain_rows, BUILTIN_ARITH: arith.make_rows}
+BUILTIN_TASKS = {BUILTIN: task.make_builtin_rows, BUILTIN_LONG: task.make_chain_rows, BUILTIN_ARITH: arith.make_rows,
+                 BUILTIN_CALC: task.make_calc_rows}
 """Built-in dataset name -> ``make(split, n, seed)`` of its rows."""
 
 

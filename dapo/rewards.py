@@ -186,7 +186,8 @@ def known_sources() -> str:
     """Human-readable list of the data sources ``score`` accepts."""
     return (f"{', '.join(DAPO_SOURCES)}, {'*, '.join(DAPO_PREFIXES)}* (DAPO math); "
             f"{'*, '.join(BOXED_PREFIXES)}*, {', '.join(BOXED_SOURCES)} (boxed); "
-            f"{', '.join(NUMERIC_SOURCES)} (last number, GSM8K flexible-extract); {task.DATA_SOURCE} (built-in task)")
+            f"{', '.join(NUMERIC_SOURCES)} (last number, GSM8K flexible-extract); {task.DATA_SOURCE} (built-in task); "
+            f"{task.CALC_DATA_SOURCE} (built-in calculator task, multi-turn: dapo.envs.Calculator)")
 
 
 def verifier_for(data_source: str) -> AnswerCheck:
@@ -194,7 +195,7 @@ def verifier_for(data_source: str) -> AnswerCheck:
     if not isinstance(data_source, str):
         raise UnknownDataSource(f"data_source must be a string, got {data_source!r}: known sources are "
                                 f"{known_sources()}.")
-    if data_source == task.DATA_SOURCE:
+    if data_source in (task.DATA_SOURCE, task.CALC_DATA_SOURCE):
         return task.verify
     if data_source in DAPO_SOURCES or data_source.startswith(DAPO_PREFIXES):
         return verify_dapo_math

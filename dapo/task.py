@@ -203,3 +203,44 @@ def make_chain_rows(split: str, n: int, seed: int) -> list[dict[str, Any]]:
         "reward_model": {"ground_truth": str(sum(ops)), "style": "rule"},
         "extra_info": {"index": index, "split": split, "operands": list(ops)},
     } for index, ops in enumerate(sample_chain_problems(split, n, seed))]
+
+
+# ------------------------------------------------------------------ the calculator variant (tools)
+# ``data.train_path=builtin:calc``: a two-digit product, e.g. ``"37*48"``, which the tiny model
+# cannot multiply in its head but can hand to a calculator tool (``dapo.envs.Calculator``) in a
+# multi-turn episode: ``<calc>37*48</calc>`` -> ``<result>1776</result>`` -> `` Answer: 1776``.
+# The answer is checked by ``verify`` (its data source routes there), the tool by the environment.
+
+CALC_DATA_SOURCE = "dapo_calc"
+CALC_OPERAND_MIN, CALC_OPERAND_MAX = 12, 99
+
+
+def calc_problem_text(a: int, b: int) -> str:
+    return f"{a}*{b}"
+
+
+def sample_calc_problems(split: str, n: int, seed: int) -> list[tuple[int, int]]:
+    """``n`` distinct products (a, b) of ``split`` (a fixed hash of the pair, 1 in 16 held out)."""
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r} is unknown: expected one of {SPLITS}.")
+    rng = random.Random(f"dapo-builtin-calc/{split}/{seed}")
+    out: list[tuple[int, int]] = []
+    seen: set[tuple[int, int]] = set()
+    while len(out) < n:
+        pair = (rng.randint(CALC_OPERAND_MIN, CALC_OPERAND_MAX), rng.randint(CALC_OPERAND_MIN, CALC_OPERAND_MAX))
+        if pair in seen or chain_split_of(pair) != split:
+            continue
+        seen.add(pair)
+        out.append(pair)
+    return out
+
+
+def make_calc_rows(split: str, n: int, seed: int) -> list[dict[str, Any]]:
+    """``n`` rows of the calculator variant in the verl schema."""
+    return [{
+        "data_source": CALC_DATA_SOURCE,
+        "prompt": [{"role": "user", "content": calc_problem_text(a, b)}],
+        "ability": "arithmetic",
+        "reward_model": {"ground_truth": str(a * b), "style": "rule"},
+        "extra_info": {"index": index, "split": split, "a": a, "b": b},
+    } for index, (a, b) in enumerate(sample_calc_problems(split, n, seed))]

@@ -15,6 +15,10 @@ pickle or msgpack-encoded arrays).
 | 3     | <f4    | sum(response_lengths)      | sampler log-probs of the tempered distribution  |
 | 4     | u1     | sum(response_lengths)      | loss mask (1 = train on this token)             |
 
+A multi-turn episode (``dapo.envs``) is one sample: its model turns and the environment's
+observations back to back, the observation tokens with loss mask 0 (and log-prob 0); the header's
+``turns``, ``tool_calls`` and ``tool_failures`` count per sample (1, 0, 0 for a single-turn sample).
+
 Per-token policy versions are sent compactly: ``versions[i]`` is the version of sample i's first
 token, and ``version_changes`` lists (sample, token_pos, version) where the version changed
 mid-generation (in-flight weight updates). Versions only increase along a sample.
@@ -34,7 +38,7 @@ from typing import Any, Sequence
 import msgpack
 import numpy as np
 
-WIRE_SCHEMA_VERSION = 1
+WIRE_SCHEMA_VERSION = 2
 """Bump on any incompatible header or frame change; decoders reject other versions."""
 MAX_HEADER_BYTES = 4 << 20
 """Largest accepted msgpack header, in bytes."""
@@ -70,6 +74,7 @@ WIRE_ERROR_REASONS = (
 HEADER_KEYS = frozenset({
     "schema", "token", "run_id", "actor_id", "lease_id", "prompt_id", "num_samples", "prompt_len",
     "versions", "version_changes", "rewards", "acc", "scores", "response_lengths", "finish_reasons",
+    "turns", "tool_calls", "tool_failures",
 })
 
 
@@ -116,6 +121,12 @@ class TrajectoryGroup:
     """float32 [G] raw verifier scores, before shaping."""
     finish_reasons: tuple[str, ...]
     """G entries, each ``stop`` or ``length`` (truncated at max_response_tokens)."""
+    turns: np.ndarray | None = None
+    """int32 [G] model turns of each sample's episode (None when encoding: 1 each)."""
+    tool_calls: np.ndarray | None = None
+    """int32 [G] tool calls the environment counted in each episode (None when encoding: 0 each)."""
+    tool_failures: np.ndarray | None = None
+    """int32 [G] of those, the calls that failed (None when encoding: 0 each)."""
 
     @property
     def num_samples(self) -> int:
@@ -165,6 +176,10 @@ def encode_group(group: TrajectoryGroup, auth_token: str) -> list[bytes]:
         "scores": np.asarray(g.scores, dtype="<f4").tolist(),
         "response_lengths": lengths.tolist(),
         "finish_reasons": list(g.finish_reasons),
+        "turns": [1] * len(lengths) if g.turns is None else np.asarray(g.turns, dtype="<i4").tolist(),
+        "tool_calls": [0] * len(lengths) if g.tool_calls is None else np.asarray(g.tool_calls, dtype="<i4").tolist(),
+        "tool_failures": ([0] * len(lengths) if g.tool_failures is None
+                          else np.asarray(g.tool_failures, dtype="<i4").tolist()),
     }
     arrays = ((g.prompt_ids, "<i4"), (g.response_ids, "<i4"), (g.logprobs, "<f4"), (g.loss_mask, "u1"))
     frames = [msgpack.packb(header, use_bin_type=True)] + [np.asarray(x, dtype=d).tobytes() for x, d in arrays]
@@ -190,6 +205,8 @@ def decode_group(frames: Sequence[Any], *, auth_token: str, max_message_bytes: i
         raise WireError("header_keys", f"missing {sorted(HEADER_KEYS - set(header))}, "
                                        f"unknown {sorted(map(str, set(header) - HEADER_KEYS))[:8]}")
     g = _group_from_header(header, views)
+    if (g.tool_failures > g.tool_calls).any():
+        raise WireError("inconsistent", "`tool_failures` exceed `tool_calls`")
     _check_frames(g)
     if g.version_changes.shape[0]:
         _check_version_changes(g)
@@ -305,6 +322,9 @@ def _group_from_header(h: dict, views: list[memoryview]) -> TrajectoryGroup:
         acc=_floats(h["acc"], "acc", num_samples, lo=0.0, hi=1.0),
         scores=_floats(h["scores"], "scores", num_samples),
         finish_reasons=tuple(finish),
+        turns=_ints(h["turns"], "turns", num_samples, lo=1).astype(np.int32),
+        tool_calls=_ints(h["tool_calls"], "tool_calls", num_samples).astype(np.int32),
+        tool_failures=_ints(h["tool_failures"], "tool_failures", num_samples).astype(np.int32),
     )
 
 

@@ -30,6 +30,10 @@ import torch
 from dapo.wire import FINISH_REASONS
 
 
+StopWhen = Callable[[list[int]], bool]
+"""``stop_when(response token ids so far) -> bool``: end this sample now (see ``Engine.generate``)."""
+
+
 @dataclass
 class Sample:
     """One sampled response."""
@@ -86,8 +90,9 @@ class Engine(abc.ABC):
     # -- backend hooks -----------------------------------------------------------------------
     @abc.abstractmethod
     def _sample(self, sequences: list[list[int]], n: int, max_tokens: int, temperature: float,
-                top_p: float, seed: int) -> list[list[RawSample]]:
-        """Sample ``n`` continuations of up to ``max_tokens`` tokens for each sequence."""
+                top_p: float, seed: int, *, stop_when: StopWhen | None = None) -> list[list[RawSample]]:
+        """Sample ``n`` continuations of up to ``max_tokens`` tokens for each sequence; one also
+        ends (``stopped``) as soon as ``stop_when(its tokens so far)`` is true."""
 
     @abc.abstractmethod
     def _load(self, state_dict: Mapping[str, torch.Tensor]) -> None:
@@ -104,7 +109,8 @@ class Engine(abc.ABC):
 
     def generate(self, prompt_ids: list[list[int]], n: int, max_tokens: int, temperature: float,
                  top_p: float, seed: int, *, chunk_tokens: int | None = None,
-                 between_chunks: Callable[[], None] | None = None, reprefill: bool = False) -> list[list[Sample]]:
+                 between_chunks: Callable[[], None] | None = None, reprefill: bool = False,
+                 stop_when: StopWhen | None = None) -> list[list[Sample]]:
         """Sample ``n`` responses per prompt; returns one list of ``n`` samples per prompt.
 
         ``seed``: the torch engine draws exactly the same samples for the same seed, weights and
@@ -114,6 +120,9 @@ class Engine(abc.ABC):
         ``chunk_tokens`` decoding steps while samples are still running. ``None``: never.
         ``reprefill``: re-prefill continued samples after each chunk instead of keeping their KV
         cache (see the module docstring).
+        ``stop_when``: a sample also ends (finish reason ``stop``) as soon as ``stop_when(its
+        response tokens so far)`` is true: a multi-turn environment's stop strings (the actor
+        decodes; the engine knows only ids). Not with ``reprefill``.
         """
         if not prompt_ids or any(len(p) == 0 for p in prompt_ids):
             raise ValueError(f"generate needs non-empty prompts, got lengths {[len(p) for p in prompt_ids]}")
@@ -121,11 +130,17 @@ class Engine(abc.ABC):
             raise ValueError(f"generate needs n >= 1 and max_tokens >= 1, got n={n}, max_tokens={max_tokens}")
         if chunk_tokens is not None and chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1 or None, got {chunk_tokens}")
+        if stop_when is not None and chunk_tokens is not None and (reprefill or not self.keeps_kv_across_loads):
+            raise ValueError("stop_when needs the KV cache kept across in-flight loads (reprefill=False)")
         if chunk_tokens is not None and not reprefill and self.keeps_kv_across_loads:
             raw = self._sample(prompt_ids, n, max_tokens, temperature, top_p, seed, every_steps=chunk_tokens,
-                               between_steps=between_chunks or (lambda: None))
+                               between_steps=between_chunks or (lambda: None), stop_when=stop_when)
             return [[Sample(r.token_ids, r.logprobs, r.versions, "stop" if r.stopped else "length") for r in group]
                     for group in raw]
+        if stop_when is not None:
+            raw = self._sample(prompt_ids, n, max_tokens, temperature, top_p, seed, stop_when=stop_when)
+            return [[Sample(r.token_ids, r.logprobs, r.versions or [self.version] * len(r.token_ids),
+                            "stop" if r.stopped else "length") for r in group] for group in raw]
         return self._generate_reprefill(prompt_ids, n, max_tokens, temperature, top_p, seed, chunk_tokens,
                                         between_chunks)
 

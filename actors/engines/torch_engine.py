@@ -15,7 +15,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from actors.engines.base import Engine, RawSample, stop_token_ids
+from actors.engines.base import Engine, RawSample, StopWhen, stop_token_ids
 
 
 def nucleus_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -68,7 +68,8 @@ class TorchEngine(Engine):
     @torch.inference_mode()
     def _sample(self, sequences: list[list[int]], n: int, max_tokens: int, temperature: float,
                 top_p: float, seed: int, *, every_steps: int = 0,
-                between_steps: Callable[[], None] | None = None) -> list[list[RawSample]]:
+                between_steps: Callable[[], None] | None = None,
+                stop_when: StopWhen | None = None) -> list[list[RawSample]]:
         from transformers import DynamicCache
 
         longest = max(len(s) for s in sequences)
@@ -110,6 +111,9 @@ class TorchEngine(Engine):
             out_ids[active, step], out_lps[active, step] = token, logp.gather(1, token[:, None]).squeeze(1)
             lengths[active] = step + 1
             done = torch.isin(token, self._stop_ids)
+            if stop_when is not None:  # an environment's stop string ends the turn too
+                done |= torch.tensor([not d and stop_when(out_ids[row, :step + 1].tolist())
+                                      for row, d in zip(active.tolist(), done.tolist())], dtype=torch.bool)
             stopped[active[done]] = True
             if bool(done.all()):
                 break

@@ -30,7 +30,7 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from actors.engines.base import Engine, RawSample, WeightLoadTimeout, stop_token_ids
+from actors.engines.base import Engine, RawSample, StopWhen, WeightLoadTimeout, stop_token_ids
 
 
 def _drop_records(prefix: str) -> Callable[[logging.LogRecord], bool]:
@@ -126,7 +126,8 @@ class VllmEngine(Engine):
 
     def _sample(self, sequences: list[list[int]], n: int, max_tokens: int, temperature: float,
                 top_p: float, seed: int, *, every_steps: int = 0,
-                between_steps: Callable[[], None] | None = None) -> list[list[RawSample]]:
+                between_steps: Callable[[], None] | None = None,
+                stop_when: StopWhen | None = None) -> list[list[RawSample]]:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -145,7 +146,7 @@ class VllmEngine(Engine):
                 engine.add_request(rid, {"prompt_token_ids": s}, params)
                 raws[rid] = RawSample(versions=[])
         try:
-            self._step_until_done(engine, raws, every_steps, between_steps)
+            self._step_until_done(engine, raws, every_steps, between_steps, stop_when)
         finally:
             if engine.has_unfinished_requests():  # between_steps raised: leave the engine idle
                 engine.abort_request(list(raws))
@@ -155,7 +156,7 @@ class VllmEngine(Engine):
         return [samples[i * n:(i + 1) * n] for i in range(len(sequences))]
 
     def _step_until_done(self, engine, raws: dict[str, RawSample], every_steps: int,
-                         between_steps: Callable[[], None] | None) -> None:
+                         between_steps: Callable[[], None] | None, stop_when: StopWhen | None) -> None:
         steps = 0
         while engine.has_unfinished_requests():
             if between_steps is not None and steps and steps % every_steps == 0:
@@ -167,6 +168,9 @@ class VllmEngine(Engine):
                 raw.logprobs += [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)]
                 raw.versions += [version] * len(c.token_ids)
                 raw.stopped = out.finished and c.finish_reason == "stop"
+                if stop_when is not None and not out.finished and c.token_ids and stop_when(raw.token_ids):
+                    engine.abort_request([out.request_id])  # an environment's stop string: the turn ends
+                    raw.stopped = True
             steps += 1
 
     def _load(self, state_dict: Mapping[str, torch.Tensor]) -> None:

@@ -8,7 +8,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from dapo.wire import (WIRE_ERROR_REASONS, TrajectoryGroup, WireError, decode_group, encode_group)
+from dapo.wire import (WIRE_ERROR_REASONS, WIRE_SCHEMA_VERSION, TrajectoryGroup, WireError, decode_group, encode_group)
 
 TOKEN = "secret"
 CAP = 1 << 20
@@ -31,6 +31,9 @@ def make_group(num_samples: int = 3, seed: int = 0, **overrides) -> TrajectoryGr
         acc=(np.arange(num_samples) % 2 == 0).astype(np.float32),
         scores=(np.arange(num_samples) % 2 == 0).astype(np.float32),
         finish_reasons=tuple("stop" if i % 2 else "length" for i in range(num_samples)),
+        turns=(1 + np.arange(num_samples) % 3).astype(np.int32),
+        tool_calls=(np.arange(num_samples) % 3).astype(np.int32),
+        tool_failures=(np.arange(num_samples) % 2).astype(np.int32) * (np.arange(num_samples) % 3 > 0),
     )
     fields.update(overrides)
     return TrajectoryGroup(**fields)
@@ -64,6 +67,18 @@ def test_round_trip_preserves_every_field() -> None:
             assert a == b, f.name
     assert out.prompt_ids.dtype == np.int32 and out.logprobs.dtype == np.float32
     assert out.min_version == 3
+
+
+def test_single_turn_defaults_and_episode_counts_are_checked() -> None:
+    g = make_group(turns=None, tool_calls=None, tool_failures=None)
+    out = decode(encode_group(g, TOKEN))
+    assert out.turns.tolist() == [1, 1, 1] and out.tool_calls.tolist() == [0, 0, 0] == out.tool_failures.tolist()
+    with pytest.raises(WireError) as err:
+        encode_group(make_group(tool_calls=np.array([1, 0, 2]), tool_failures=np.array([1, 1, 0])), TOKEN)
+    assert err.value.reason == "inconsistent"
+    with pytest.raises(WireError) as err:
+        encode_group(make_group(turns=np.array([1, 0, 2])), TOKEN)
+    assert err.value.reason == "field_type"
 
 
 def test_frames_are_little_endian_raw_arrays() -> None:
@@ -107,7 +122,8 @@ def test_structural_rejections() -> None:
     assert reason_of([msgpack.packb([1, 2])] + frames[1:]) == "header_decode"
     assert reason_of([msgpack.packb({1: 2})] + frames[1:]) == "header_decode"  # strict_map_key
     assert reason_of([msgpack.packb(msgpack.ExtType(1, b"x"))] + frames[1:]) == "header_decode"
-    assert reason_of(with_header(frames, schema=2)) == "schema_version"
+    assert reason_of(with_header(frames, schema=WIRE_SCHEMA_VERSION + 1)) == "schema_version"
+    assert reason_of(with_header(frames, schema=1)) == "schema_version"  # before turns and tool counts
     assert reason_of(with_header(frames, schema=True)) == "schema_version"
     assert reason_of(with_header(frames, extra=1)) == "header_keys"
 

@@ -1,0 +1,233 @@
+"""Environment steps (``dapo.envs``) in a pool of worker processes, each call under a deadline.
+
+An environment is user code run on model output (a tool, a sandbox, a parser): like the verifier
+(``actors/verifier.py``) it runs outside the actor's interpreter. Unlike a verifier call, a step
+is answered asynchronously: the actor's episode driver (``actors/episodes.py``) submits the turns
+that just ended and keeps generating the episodes that are ready, so a slow tool delays only its
+own episode. A worker that misses its deadline is killed (its episode ends with
+``FAILED_REWARD``, counted as a timeout) and a fresh one takes its place; a step that raises ends
+its episode the same way (counted as an error). The actor never stalls or dies because of a step.
+
+Parent and workers speak msgpack over the worker's stdin/stdout (no pickle). Requests:
+``["describe", spec]`` -> ``["ok", stop_strings, max_turns]``;
+``["step", spec, data_source, ground_truth, turns, observations, ended_by, final]`` ->
+``["ok", observation, done, reward, acc, tool_call, tool_failed]`` or ``["error", message]``.
+A worker is ``python -m actors.env_pool SCORE_FN`` and first replies ``["ok", "ready"]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import msgpack
+
+from actors.verifier import FAILED_REWARD, PARENT_PID_ENV, START_TIMEOUT_S
+from dapo.envs import Episode, Step, load_env
+from dapo.launch import die_with_parent
+from dapo.rewards import SCORE_FN, load_reward_fn
+
+log = logging.getLogger(__name__)
+
+
+class EnvError(RuntimeError):
+    """A worker could not start, or an environment cannot be loaded (a configuration error)."""
+
+
+@dataclass
+class Answer:
+    key: object
+    """What the caller submitted the step under."""
+    step: Step
+    error: str = ""
+    """'' when the environment answered; else ``timeout`` or the exception text (the episode
+    then ends: ``step.done`` with ``FAILED_REWARD``)."""
+
+
+class _Worker:
+    def __init__(self, score_fn: str) -> None:
+        # A session of its own, killed with the actor (as the verifier worker: see actors/verifier.py).
+        self.proc = subprocess.Popen([sys.executable, "-m", "actors.env_pool", score_fn], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, bufsize=0, start_new_session=True,
+                                     env={**os.environ, PARENT_PID_ENV: str(os.getpid())})
+        self.unpacker = msgpack.Unpacker(raw=False)
+        self.job: tuple[object, float] | None = None
+        """(key, deadline) of the step it is answering."""
+        self.dead = False
+        """Its output ended: the worker exited."""
+
+    def send(self, request: list) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(msgpack.packb(request))
+
+    def read(self, timeout_s: float) -> list | None:
+        """The next reply, or None at the deadline or when the worker died."""
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for reply in self.unpacker:
+                return reply
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+                return None
+            if not (data := os.read(self.proc.stdout.fileno(), 1 << 16)):
+                self.dead = True
+                return None
+            self.unpacker.feed(data)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        for stream in (self.proc.stdin, self.proc.stdout):
+            stream.close()
+
+
+class EnvPool:
+    """``num_workers`` environment workers; ``submit`` a step, ``poll`` for answers."""
+
+    def __init__(self, num_workers: int, timeout_s: float, score_fn: str = SCORE_FN) -> None:
+        if num_workers < 1 or timeout_s <= 0:
+            raise ValueError(f"an env pool needs num_workers >= 1 and timeout_s > 0, got {num_workers}, {timeout_s}")
+        self.num_workers, self.timeout_s, self.score_fn = num_workers, timeout_s, score_fn
+        self.workers: list[_Worker] = []
+        self.queue: list[tuple[object, list]] = []
+        """Steps waiting for a free worker (submitted beyond ``num_workers``)."""
+        self.num_steps = self.num_errors = self.num_timeouts = 0
+        self._described: dict[str, tuple[tuple[str, ...], int]] = {}
+
+    def _start(self) -> _Worker:
+        worker = _Worker(self.score_fn)
+        reply = worker.read(START_TIMEOUT_S)
+        if reply != ["ok", "ready"]:
+            worker.kill()
+            raise EnvError(f"environment worker ({self.score_fn}) did not start within {START_TIMEOUT_S:.0f}s "
+                           f"(reply {reply!r}); check: python -m actors.env_pool {self.score_fn}")
+        return worker
+
+    def describe(self, spec: str) -> tuple[tuple[str, ...], int]:
+        """(stop_strings, max_turns) of environment ``spec``, asked of a worker (user code stays out
+        of the actor's interpreter); raises ``EnvError`` when it cannot be loaded."""
+        if spec not in self._described:
+            worker = self._start()
+            try:
+                worker.send(["describe", spec])
+                reply = worker.read(START_TIMEOUT_S)
+            finally:
+                worker.kill()
+            if reply is None or reply[0] != "ok":
+                raise EnvError(f"environment {spec!r}: {reply[1] if reply else 'the worker gave no answer'}")
+            self._described[spec] = (tuple(reply[1]), int(reply[2]))
+        return self._described[spec]
+
+    def submit(self, key: object, spec: str, episode: Episode) -> None:
+        self.queue.append((key, ["step", spec, episode.data_source, episode.ground_truth, list(episode.turns),
+                                 list(episode.observations), episode.ended_by, episode.final]))
+        self._dispatch()
+
+    @property
+    def pending(self) -> int:
+        return len(self.queue) + sum(w.job is not None for w in self.workers)
+
+    def _dispatch(self) -> None:
+        while self.queue:
+            idle = next((w for w in self.workers if w.job is None), None)
+            if idle is None and len(self.workers) < self.num_workers:
+                idle = self._start()
+                self.workers.append(idle)
+            if idle is None:
+                return
+            key, request = self.queue.pop(0)
+            try:
+                idle.send(request)
+            except OSError:  # it died idle: a fresh one takes the step
+                self._replace(idle)
+                self.queue.insert(0, (key, request))
+                continue
+            idle.job = (key, time.monotonic() + self.timeout_s)
+
+    def _replace(self, worker: _Worker) -> None:
+        worker.kill()
+        self.workers.remove(worker)
+
+    def poll(self, timeout_s: float) -> list[Answer]:
+        """Answers that arrive within ``timeout_s`` (at least one if any step is pending and
+        ``timeout_s`` allows: the call returns as soon as there is one); steps past their deadline
+        come back as timeouts."""
+        out: list[Answer] = []
+        until = time.monotonic() + timeout_s
+        while self.pending and not out:
+            busy = [w for w in self.workers if w.job is not None]
+            now = time.monotonic()
+            wait_s = max(0.0, min([until - now] + [w.job[1] - now for w in busy]))
+            assert all(w.proc.stdout is not None for w in busy)
+            ready = select.select([w.proc.stdout for w in busy], [], [], wait_s)[0] if busy else []
+            for worker in busy:
+                key, deadline = worker.job
+                reply = worker.read(0.0) if worker.proc.stdout in ready else None
+                if reply is None and not worker.dead and time.monotonic() < deadline:
+                    continue  # not yet (or half a reply)
+                self.num_steps += 1
+                if reply is None:  # deadline passed, or the worker died: its state is unknown
+                    self.num_errors += 1
+                    self.num_timeouts += time.monotonic() >= deadline
+                    log.warning("environment step gave no answer within %.1fs; the episode scores %.0f and the "
+                                "worker restarts", self.timeout_s, FAILED_REWARD)
+                    self._replace(worker)
+                    out.append(Answer(key, Step(done=True, reward=FAILED_REWARD), "timeout"))
+                    continue
+                worker.job = None
+                if reply[0] != "ok":
+                    self.num_errors += 1
+                    log.warning("environment step raised: %s; the episode scores %.0f", reply[1], FAILED_REWARD)
+                    out.append(Answer(key, Step(done=True, reward=FAILED_REWARD), str(reply[1])))
+                else:
+                    obs, done, reward, acc, tool_call, tool_failed = reply[1:]
+                    out.append(Answer(key, Step(str(obs), bool(done), float(reward), bool(acc), bool(tool_call),
+                                                bool(tool_failed))))
+            self._dispatch()
+            if time.monotonic() >= until:
+                break
+        return out
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.kill()
+        self.workers, self.queue = [], []
+
+
+def _worker_main(score_fn: str) -> None:
+    # The protocol owns the real stdout; anything the environment prints goes to stderr instead.
+    out = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)
+    fn = load_reward_fn(score_fn)
+    envs = {}
+    out.write(msgpack.packb(["ok", "ready"]))
+    unpacker = msgpack.Unpacker(raw=False)
+    while data := os.read(sys.stdin.fileno(), 1 << 16):
+        unpacker.feed(data)
+        for request in unpacker:
+            try:
+                spec = request[1]
+                if spec not in envs:
+                    envs[spec] = load_env(spec, fn)
+                env = envs[spec]
+                if request[0] == "describe":
+                    reply = ["ok", list(env.stop_strings), int(env.max_turns)]
+                else:
+                    _, _, data_source, truth, turns, observations, ended_by, final = request
+                    step = env.step(Episode(data_source, truth, tuple(turns), tuple(observations), ended_by, final))
+                    reply = ["ok", step.observation, step.done, float(step.reward), step.acc, step.tool_call,
+                             step.tool_failed]
+            except Exception as exc:  # count-and-score at the service boundary
+                reply = ["error", f"{type(exc).__name__}: {exc}"[:500]]
+            out.write(msgpack.packb(reply))
+
+
+if __name__ == "__main__":
+    die_with_parent(int(os.environ[PARENT_PID_ENV]) if PARENT_PID_ENV in os.environ else None)
+    _worker_main(sys.argv[1] if len(sys.argv) > 1 else SCORE_FN)
