@@ -72,8 +72,7 @@ class _Worker:
         while True:
             for reply in self.unpacker:
                 return reply
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([self.proc.stdout], [], [], left)[0]:
+            if not select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
                 return None
             if not (data := os.read(self.proc.stdout.fileno(), 1 << 16)):
                 self.dead = True

@@ -117,7 +117,25 @@ def batch_metrics(groups: list[TrajectoryGroup], version: int) -> dict[str, floa
             "train/accuracy": float(np.concatenate([g.acc for g in groups]).mean()),
             "train/reward": float(np.concatenate([g.rewards for g in groups]).mean()),
             "train/truncated_fraction": float(np.mean(truncated)),
-            "train/num_groups": float(len(groups)), "train/num_samples": float(lens.size)}
+            "train/num_groups": float(len(groups)), "train/num_samples": float(lens.size),
+            **episode_metrics(groups)}
+
+
+def episode_metrics(groups: list[TrajectoryGroup]) -> dict[str, float]:
+    """Multi-turn episodes (``dapo.envs``): model turns and tool calls per episode, the fraction of
+    tool calls that worked (when there were any), observation tokens per episode (loss mask 0 on
+    the wire). A group built without the counts (not decoded from the wire) is single-turn."""
+    def total(g: TrajectoryGroup, name: str, default: int) -> int:
+        value = getattr(g, name)
+        return g.num_samples * default if value is None else int(value.sum())
+
+    calls = sum(total(g, "tool_calls", 0) for g in groups)
+    failures = sum(total(g, "tool_failures", 0) for g in groups)
+    samples = sum(g.num_samples for g in groups)
+    success = {"episodes/tool_success": (calls - failures) / calls} if calls else {}
+    return {"episodes/turns": sum(total(g, "turns", 1) for g in groups) / samples,
+            "episodes/tool_calls": calls / samples, **success,
+            "episodes/observation_tokens": sum(int((g.loss_mask == 0).sum()) for g in groups) / samples}
 
 
 @dataclass

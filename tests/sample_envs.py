@@ -1,0 +1,38 @@
+"""Environments for tests, loaded by the env workers (``actors/env_pool.py``) by name."""
+
+from __future__ import annotations
+
+import time
+
+from dapo.envs import Environment, Episode, Step
+
+OBSERVATION = "<obs>"
+
+
+class EqualsEnv(Environment):
+    """A turn that ends at "=" gets OBSERVATION; the episode's reward is its number of turns."""
+
+    stop_strings = ("=",)
+    max_turns = 3
+
+    def step(self, episode: Episode) -> Step:
+        if episode.ended_by == "stop" and not episode.final:
+            return Step(observation=OBSERVATION, tool_call=True)
+        return Step(done=True, reward=float(len(episode.turns)), acc=len(episode.turns) > 1)
+
+
+class MisbehavingEnv(Environment):
+    """By ground truth: ``hang`` sleeps past any deadline, ``raise`` raises, ``slow`` answers after
+    0.5 s, anything else ends the episode at once with reward 1."""
+
+    stop_strings = ()
+    max_turns = 1
+
+    def step(self, episode: Episode) -> Step:
+        if episode.ground_truth == "hang":
+            time.sleep(3600)
+        if episode.ground_truth == "raise":
+            raise RuntimeError("the tool broke")
+        if episode.ground_truth == "slow":
+            time.sleep(0.5)
+        return Step(done=True, reward=1.0, acc=True)
