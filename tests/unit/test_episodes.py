@@ -119,3 +119,47 @@ def test_calculate(expr, value):
 def test_calculate_refuses(expr):
     with pytest.raises(CalcError):
         calculate(expr)
+
+
+def test_an_episode_crosses_the_wire_intact_and_only_its_model_tokens_are_trained():
+    from types import SimpleNamespace
+
+    import torch
+
+    from actors.episodes import EpisodeSample
+    from actors.loop import build_group
+    from dapo.algorithm import policy_loss
+    from dapo.config import AlgorithmConfig
+    from dapo.wire import decode_group, encode_group
+    from learner.batch import from_groups
+
+    # Two episodes: model turn (versions 3), observation (mask 0), model turn sampled after a weight update.
+    a = EpisodeSample([5, 6, 7, 90, 91, 8, 9], [-0.5, -0.25, -1.0, 0.0, 0.0, -0.5, -2.0], [3, 3, 3, 3, 3, 4, 4],
+                      "stop", loss_mask=[1, 1, 1, 0, 0, 1, 1], reward=1.0, acc=True, turns=2, tool_calls=1)
+    b = EpisodeSample([5, 6, 7, 90, 91, 92, 93, 94, 95, 9], [-0.1] * 3 + [0.0] * 6 + [-0.3], [3] * 10, "stop",
+                      loss_mask=[1, 1, 1, 0, 0, 0, 0, 0, 0, 1], reward=-1.0, acc=False, turns=2, tool_calls=1,
+                      tool_failures=1)
+    session = SimpleNamespace(run_id="run", actor_id=2)
+    lease = SimpleNamespace(lease_id=11, prompt_id=12, prompt_token_ids=[1, 2, 3])
+    run = SimpleNamespace(overlong_punishment=True, max_response_tokens=8, overlong_cache_tokens=4)
+    group = build_group(session, lease, [a, b], [a.reward, b.reward], [a.acc, b.acc], run)
+    # Overlong shaping counts model tokens: a has 5 (ramp from 4: -1/4), b has 4 (none), though b is 10 long.
+    assert group.rewards.tolist() == [0.75, -1.0]
+    got = decode_group(encode_group(group, "t"), auth_token="t", max_message_bytes=1 << 20)
+    assert got.loss_mask.tolist() == a.loss_mask + b.loss_mask
+    assert got.token_versions().tolist() == a.versions + b.versions
+    assert got.response_ids.tolist() == a.token_ids + b.token_ids
+    assert (got.turns.tolist(), got.tool_calls.tolist(), got.tool_failures.tolist()) == ([2, 2], [1, 1], [0, 1])
+
+    batch = from_groups([got], AlgorithmConfig(overlong_filter=False))
+    logp = batch.sampler_logp.clone().requires_grad_()  # pi_theta = pi_prox = mu: every ratio 1
+    loss, metrics = policy_loss(logp[None], batch.sampler_logp[None], torch.repeat_interleave(
+        batch.advantages, batch.seq_lens)[None], batch.loss_mask[None], eps_low=0.2, eps_high=0.28)
+    loss.backward()
+    adv = batch.advantages.tolist()  # (1 - 0) / std and its negative: +-0.7071
+    # Token-mean over the 9 model tokens only: -(A_a * 5 + A_b * 4) / 9.
+    assert float(loss.detach()) == pytest.approx(-(adv[0] * 5 + adv[1] * 4) / 9, abs=1e-6) and float(metrics["num_tokens"]) == 9
+    grad = logp.grad.tolist()
+    prompt, obs_a, obs_b = [0, 1, 2, 10, 11, 12], [6, 7], [16, 17, 18, 19, 20, 21]  # flat positions
+    assert all(grad[i] == 0.0 for i in prompt + obs_a + obs_b)
+    assert all(grad[i] == pytest.approx(-adv[0] / 9) for i in [3, 4, 5, 8, 9])
