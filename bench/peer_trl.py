@@ -89,11 +89,8 @@ class PeerKnobs:
 
 
 TUNED: dict[str, PeerKnobs] = {
-    # Provisional, until `vs_trl.py --tune` runs on a quiet machine (issue 23): lr 1e-4 and 2 threads
-    # won `--tune` (lr {1e-4, 3e-4} x threads {1, 2}, bf16 + checkpointing on: TRL's defaults then)
-    # on 2026-12-01 (bench/RESULTS.md "dapo vs TRL"); fp32 without checkpointing is the fastest
-    # precision by hand (tiny model, 8x8, 48 tokens, lr 1e-4, 2 threads, 40 batches of training:
-    # fp32 9.9 s, fp32 + checkpointing 11.1 s, bf16 autocast + checkpointing 13.8 s).
+    # Tuned 2026-12-02 (`vs_trl.py --tune --seeds 0 1`, fp32 / bf16 autocast x 1 / 2 threads x lr 1e-4 /
+    # 3e-4, checkpointing off; bench/RESULTS.md "dapo vs TRL"): fp32, 2 threads, lr 1e-4 won.
     "default": PeerKnobs(learning_rate=1e-4, bf16=False, gradient_checkpointing=False, threads=2),
     # Provisional, until `bench_long_response.py --trl-tune` runs on a quiet machine: lr is dapo's
     # (learner.lr: the benchmark measures throughput, not learning), the rest as "default".
