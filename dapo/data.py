@@ -38,7 +38,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from dapo import arith, rewards, task
+from dapo import arith, envs, rewards, task
 
 log = logging.getLogger(__name__)
 
@@ -236,8 +236,15 @@ def build_dataset(cfg: Any, split: str, tokenizer: Any) -> PromptDataset:
         raise ValueError(f"split {split!r} is unknown: expected train or eval.")
     path = cfg.data.train_path if split == "train" else cfg.data.eval_path
     rows = rows_for(path, split, cfg)
-    rewards.check_data_sources(Counter(r["data_source"] for r in rows), f"data.{split}_path={path}",
-                               cfg.actor.reward_fn)
+    sources = Counter(r["data_source"] for r in rows)
+    # Rows of a multi-turn environment are scored by it (dapo.envs): no single-turn verifier needed.
+    rewards.check_data_sources({s: n for s, n in sources.items() if not envs.env_spec(s, cfg.actor.env)},
+                               f"data.{split}_path={path}", cfg.actor.reward_fn)
+    multi_turn = sorted(s for s in sources if envs.env_spec(s, cfg.actor.env))
+    if split == "eval" and multi_turn and cfg.learner.eval_every_steps and cfg.learner.eval_on != "actors":
+        raise ValueError(f"data.eval_path={path}: data_source {', '.join(map(repr, multi_turn))} is multi-turn "
+                         "(an environment answers its turns: dapo.envs), which only the actors run; set "
+                         "learner.eval_on=actors, or learner.eval_every_steps=0")
     return PromptDataset(rows, tokenizer, template=cfg.data.prompt_template,
                          dedup=cfg.data.dedup_by_prompt, max_prompt_tokens=cfg.data.max_prompt_tokens)
 

@@ -223,6 +223,10 @@ def sample_calc_problems(split: str, n: int, seed: int) -> list[tuple[int, int]]
     """``n`` distinct products (a, b) of ``split`` (a fixed hash of the pair, 1 in 16 held out)."""
     if split not in SPLITS:
         raise ValueError(f"split {split!r} is unknown: expected one of {SPLITS}.")
+    available = sum(chain_split_of((a, b)) == split for a in range(CALC_OPERAND_MIN, CALC_OPERAND_MAX + 1)
+                    for b in range(CALC_OPERAND_MIN, CALC_OPERAND_MAX + 1))
+    if n > available:
+        raise ValueError(f"the calculator task's {split} split has {available} distinct problems; asked for {n}")
     rng = random.Random(f"dapo-builtin-calc/{split}/{seed}")
     out: list[tuple[int, int]] = []
     seen: set[tuple[int, int]] = set()
