@@ -221,8 +221,9 @@ class ActorConfig:
     max_turns: int = 4
     """Model turns of a multi-turn episode at most (the environment's own ``max_turns`` caps it too);
     actor.max_response_tokens caps model and observation tokens together."""
-    env_workers: int = 2
-    """Environment worker processes (steps of different episodes run in parallel)."""
+    env_workers: int = 8
+    """Environment worker processes (steps of different episodes run in parallel): 8 answered a 50 ms
+    tool 2.6x faster than 2 (bench/RESULTS.md "What a slow tool costs"); each is a ~21 MB process."""
     env_timeout_s: float = 10.0
     """An environment step that runs longer ends its episode with reward -1 (counted: env_timeouts)."""
     heartbeat_interval_s: float = 1.0

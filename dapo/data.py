@@ -38,7 +38,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from dapo import arith, envs, rewards, task
+from dapo import arith, code_task, envs, rewards, task
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,8 @@ BUILTIN_ARITH = "builtin:arith"
 """Arithmetic questions in words for a real small model (``dapo.arith``, scored ``numeric``)."""
 BUILTIN_CALC = "builtin:calc"
 """Two-digit products with a calculator tool (``task.make_calc_rows``, multi-turn: ``dapo.envs.Calculator``)."""
+BUILTIN_CODE = "builtin:code"
+"""Small Python functions scored by unit tests in a sandbox (``code_task.make_code_rows``: ``actors.code_env``)."""
 BUILTIN_EVAL_SEED = 0
 """The built-in held-out set does not depend on ``run.seed``: eval numbers compare across runs."""
 
@@ -206,7 +208,7 @@ class PromptDataset:
 
 
 BUILTIN_TASKS = {BUILTIN: task.make_builtin_rows, BUILTIN_LONG: task.make_chain_rows, BUILTIN_ARITH: arith.make_rows,
-                 BUILTIN_CALC: task.make_calc_rows}
+                 BUILTIN_CALC: task.make_calc_rows, BUILTIN_CODE: code_task.make_code_rows}
 """Built-in dataset name -> ``make(split, n, seed)`` of its rows."""
 
 

@@ -21,6 +21,8 @@ RUN_PANELS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("train/response_length_tokens",), "response length (tokens)"),
 )
 
+TOOL_PANEL = (("episodes/tool_success", "episodes/tool_calls"), "tool use (per episode)")
+"""Added to the run plot when the run's episodes called tools (multi-turn environments, dapo.envs)."""
 
 STALENESS_PREFIX = "queue/staleness/"
 
@@ -57,10 +59,12 @@ def _plt():
 
 
 def plot_run(records: Sequence[Record], out_png: str | Path, title: str = "") -> Path:
-    """Accuracy, reward, entropy and response length against step (top) and wall time (bottom)."""
+    """Accuracy, reward, entropy and response length (and tool use, where episodes called tools)
+    against step (top) and wall time (bottom)."""
     plt = _plt()
-    fig, axes = plt.subplots(2, len(RUN_PANELS), figsize=(4.2 * len(RUN_PANELS), 7), squeeze=False)
-    for col, (keys, name) in enumerate(RUN_PANELS):
+    panels = RUN_PANELS + ((TOOL_PANEL,) if any("episodes/tool_success" in r for r in records) else ())
+    fig, axes = plt.subplots(2, len(panels), figsize=(4.2 * len(panels), 7), squeeze=False)
+    for col, (keys, name) in enumerate(panels):
         for row, x in enumerate(("step", "time_s")):
             ax = axes[row][col]
             for key in keys:

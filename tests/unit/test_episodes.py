@@ -163,3 +163,16 @@ def test_an_episode_crosses_the_wire_intact_and_only_its_model_tokens_are_traine
     prompt, obs_a, obs_b = [0, 1, 2, 10, 11, 12], [6, 7], [16, 17, 18, 19, 20, 21]  # flat positions
     assert all(grad[i] == 0.0 for i in prompt + obs_a + obs_b)
     assert all(grad[i] == pytest.approx(-adv[0] / 9) for i in [3, 4, 5, 8, 9])
+
+
+def test_multi_turn_config_and_data_errors_say_what_to_do():
+    from dapo.config import ConfigError, load_config
+    from dapo.data import build_dataset
+
+    with pytest.raises(ConfigError, match="actor.env"):
+        load_config(["actor.env=not a spec"])
+    cfg = load_config(["experiment=calc_tool"])
+    assert (cfg.model.path, cfg.data.train_path, cfg.learner.eval_on) == ("builtin:tiny-calc", "builtin:calc", "actors")
+    wrong = load_config(["experiment=calc_tool", "learner.eval_on=learner"])
+    with pytest.raises(ValueError, match="set learner.eval_on=actors"):
+        build_dataset(wrong, "eval", tokenizer=None)

@@ -98,3 +98,43 @@ def test_ctypes_cannot_be_used_to_get_around_the_hook():
 def test_failures_are_results_not_exceptions(bad):
     r = run_python(bad, limits=FAST)
     assert r.returncode != 0 and not r.ok
+
+
+def test_unit_tests_env_scores_the_last_code_block_and_the_python_tool_answers_calls():
+    from actors.code_env import PythonTool, UnitTests
+    from dapo import code_task
+    from dapo.envs import Episode
+
+    tests = code_task.tests_of("add_n", 7)
+    right = "Here:\n```python\ndef add_n(x):\n    return x + 6\n```\nFixed:\n```python\ndef add_n(x):\n    return x + 7\n```"
+    env = UnitTests()
+    assert env.step(Episode("code_tests", tests, (right,))).reward == 1.0
+    wrong = right.replace("x + 7", "x - 7")
+    assert (env.step(Episode("code_tests", tests, (wrong,))).reward, env.step(Episode("code_tests", tests, ("no code",))).acc) == (-1.0, False)
+    call = PythonTool().step(Episode("code_tests", tests, ("<python>print(6 * 7)</python>",), ended_by="stop"))
+    assert (call.observation, call.tool_call, call.tool_failed, call.done) == ("<output>42\n</output>", True, False, False)
+    loop = PythonTool().step(Episode("code_tests", tests, ("<python>while True: pass</python>",), ended_by="stop"))
+    assert (loop.observation, loop.tool_failed) == ("<output>error: cpu</output>", True)
+
+
+@pytest.mark.timeout(120)
+def test_the_actors_env_workers_survive_every_bomb_and_keep_answering(tmp_path):
+    from actors.env_pool import EnvPool
+    from dapo.envs import Episode
+
+    bombs = ["while True: pass", "import os\nwhile True: os.fork()", "x = bytearray(1 << 34)",
+             "import socket; socket.create_connection(('127.0.0.1', 9), timeout=1)",
+             f"open({str(tmp_path / 'out')!r}, 'w')", "while True: print('x' * 1000)", "print(1 + 1)"]
+    pool = EnvPool(2, 30.0)
+    try:
+        for i, code in enumerate(bombs):
+            pool.submit(i, "actors.code_env:PythonTool", Episode("code_tests", "", (f"<python>{code}</python>",),
+                                                                 ended_by="stop"))
+        answers = {}
+        while pool.pending:
+            answers.update((a.key, a) for a in pool.poll(30.0))
+        assert [answers[i].step.tool_failed for i in range(len(bombs))] == [True] * 6 + [False]
+        assert answers[6].step.observation == "<output>2\n</output>" and pool.num_errors == 0
+        assert not (tmp_path / "out").exists()
+    finally:
+        pool.close()
