@@ -179,9 +179,9 @@ def test_training_refuses_top_p_below_one(top_p, prox_logp):
     assert load_config([f"algorithm.prox_logp={prox_logp}", "actor.top_p=1.0"]).actor.top_p == 1.0
 
 
-CPU_PRESETS = {"long_response", "smollm2_arith"}
-"""Experiment presets for CPU runs (tests/unit/test_long_response.py and test_arith.py check them); the rest
-are GPU runs."""
+CPU_PRESETS = {"long_response", "smollm2_arith", "calc_tool", "smollm2_code"}
+"""Experiment presets for CPU runs (tests/unit/test_long_response.py, test_arith.py and test_episodes.py
+check them); the rest are GPU runs."""
 
 
 @pytest.mark.parametrize("preset", sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml")

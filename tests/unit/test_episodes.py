@@ -173,6 +173,8 @@ def test_multi_turn_config_and_data_errors_say_what_to_do():
         load_config(["actor.env=not a spec"])
     cfg = load_config(["experiment=calc_tool"])
     assert (cfg.model.path, cfg.data.train_path, cfg.learner.eval_on) == ("builtin:tiny-calc", "builtin:calc", "actors")
+    code = load_config(["experiment=smollm2_code"])
+    assert (code.data.train_path, code.learner.eval_on, code.actor.env_workers) == ("builtin:code", "actors", 2)
     wrong = load_config(["experiment=calc_tool", "learner.eval_on=learner"])
     with pytest.raises(ValueError, match="set learner.eval_on=actors"):
         build_dataset(wrong, "eval", tokenizer=None)
