@@ -16,8 +16,7 @@ from __future__ import annotations
 import re
 
 from actors.sandbox import Limits, run_python
-from dapo import rewards
-from dapo.envs import Environment, Episode, Step
+from dapo.envs import Episode, Step, ToolEnvironment
 
 PYTHON_OPEN, PYTHON_CLOSE = "<python>", "</python>"
 OUTPUT_OPEN, OUTPUT_CLOSE = "<output>", "</output>"
@@ -25,37 +24,20 @@ OUTPUT_CHARS = 400
 """Longest observation (the tool's output, cut at the end)."""
 TOOL_LIMITS = Limits(cpu_s=2, wall_s=4.0, memory_mb=512)
 TEST_LIMITS = Limits(cpu_s=4, wall_s=8.0, memory_mb=512)
-_CALL_RE = re.compile(re.escape(PYTHON_OPEN) + r"(.*?)" + re.escape(PYTHON_CLOSE) + r"\s*$", re.S)
 _FENCE_RE = re.compile(r"```(?:python|py)?\s*\n(.*?)```", re.S)
 
 
-class PythonTool(Environment):
-    stop_strings = (PYTHON_CLOSE,)
+class PythonTool(ToolEnvironment):
+    call_open, call_close = PYTHON_OPEN, PYTHON_CLOSE
+    result_open, result_close = OUTPUT_OPEN, OUTPUT_CLOSE
     max_turns = 4
 
-    def __init__(self, score_fn: rewards.ScoreFn = rewards.score) -> None:
-        self.score_fn = score_fn
-
-    def step(self, episode: Episode) -> Step:
-        turn = episode.turns[-1]
-        if episode.ended_by == "stop" and not episode.final:
-            call = _CALL_RE.search(turn)
-            if call is None:
-                return Step(observation=f"{OUTPUT_OPEN}error: no code{OUTPUT_CLOSE}", tool_call=True, tool_failed=True)
-            result = run_python(call.group(1), limits=TOOL_LIMITS)
-            if result.ok:
-                text, failed = result.stdout, False
-            else:
-                last = result.stderr.strip().splitlines()[-1:] or [""]
-                text, failed = f"error: {result.stopped_by or last[0]}", True
-            return Step(observation=f"{OUTPUT_OPEN}{text[-OUTPUT_CHARS:]}{OUTPUT_CLOSE}", tool_call=True,
-                        tool_failed=failed)
-        return self.final(episode)
-
-    def final(self, episode: Episode) -> Step:
-        reward, acc, _ = self.score_fn(episode.data_source, episode.turns[-1], episode.ground_truth)
-        return Step(done=True, reward=float(reward), acc=bool(acc), tool_call=episode.ended_by == "stop",
-                    tool_failed=episode.ended_by == "stop")
+    def run_tool(self, argument: str) -> tuple[str, bool]:
+        result = run_python(argument, limits=TOOL_LIMITS)
+        if result.ok:
+            return result.stdout[-OUTPUT_CHARS:], False
+        last = result.stderr.strip().splitlines()[-1:] or [""]
+        return f"error: {result.stopped_by or last[0]}"[-OUTPUT_CHARS:], True
 
 
 def answer_code(text: str) -> str:
@@ -66,8 +48,7 @@ def answer_code(text: str) -> str:
 
 class UnitTests(PythonTool):
     def final(self, episode: Episode) -> Step:
-        cut = episode.ended_by == "stop"  # a tool call that could not be answered: no final answer
-        if cut:
+        if episode.ended_by == "stop":  # a tool call that could not be answered: no final answer
             return Step(done=True, reward=-1.0, tool_call=True, tool_failed=True)
         result = run_python(answer_code(episode.turns[-1]) + "\n\n" + episode.ground_truth + "\n", limits=TEST_LIMITS)
         return Step(done=True, reward=1.0 if result.ok else -1.0, acc=result.ok)

@@ -105,8 +105,6 @@ CALC_MAX_ABS = 10**15
 """Largest magnitude of any intermediate value: no exponent towers, no huge products."""
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.FloorDiv: operator.floordiv,
            ast.Mod: operator.mod}
-_CALL_RE = re.compile(re.escape(CALC_OPEN) + r"(.{0,%d}?)" % CALC_MAX_CHARS + re.escape(CALC_CLOSE) + r"\s*$",
-                      re.S)
 
 
 class CalcError(ValueError):
@@ -142,32 +140,53 @@ def calculate(expression: str) -> int:
     return walk(tree.body)
 
 
-class Calculator(Environment):
-    """A turn that ends with ``<calc>EXPR</calc>`` gets ``<result>VALUE</result>`` (or
-    ``<result>error: ...</result>``, a failed call); any other turn is the final answer, scored by
-    the row's verifier (``dapo.rewards.score``: for ``dapo_calc`` rows the built-in ``Answer: N``
-    check). A turn that ends at a stop string without a well-formed call is a failed call too."""
+class ToolEnvironment(Environment):
+    """One tool: a turn that ends with ``call_open ARGUMENT call_close`` gets ``result_open OUTPUT
+    result_close`` (``run_tool``; an error's text when it fails, a failed call); any other turn is the
+    final answer (``final``: scored by the row's verifier). A turn that ends at the stop string without
+    a well-formed call is a failed call; so is one cut by ``Episode.final`` (no answer follows)."""
 
-    stop_strings = (CALC_CLOSE,)
+    call_open, call_close = "<tool>", "</tool>"
+    result_open, result_close = "<output>", "</output>"
     max_turns = 3
 
     def __init__(self, score_fn: rewards.ScoreFn = rewards.score) -> None:
         self.score_fn = score_fn
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.stop_strings = (cls.call_close,)
+        cls._call_re = re.compile(re.escape(cls.call_open) + r"(.*?)" + re.escape(cls.call_close) + r"\s*$", re.S)
+
+    def run_tool(self, argument: str) -> tuple[str, bool]:
+        """(output text, failed) of one call."""
+        raise NotImplementedError
+
     def step(self, episode: Episode) -> Step:
-        turn = episode.turns[-1]
         if episode.ended_by == "stop" and not episode.final:
-            call = _CALL_RE.search(turn)
-            if call is None:
-                return Step(observation=f"{RESULT_OPEN}error: no expression{RESULT_CLOSE}", tool_call=True,
-                            tool_failed=True)
-            try:
-                return Step(observation=f"{RESULT_OPEN}{calculate(call.group(1))}{RESULT_CLOSE}", tool_call=True)
-            except CalcError as exc:
-                return Step(observation=f"{RESULT_OPEN}error: {exc}{RESULT_CLOSE}", tool_call=True, tool_failed=True)
-        reward, acc, _ = self.score_fn(episode.data_source, turn, episode.ground_truth)
-        return Step(done=True, reward=float(reward), acc=bool(acc), tool_call=episode.ended_by == "stop",
-                    tool_failed=episode.ended_by == "stop")
+            call = self._call_re.search(episode.turns[-1])
+            text, failed = ("error: no call", True) if call is None else self.run_tool(call.group(1))
+            return Step(observation=f"{self.result_open}{text}{self.result_close}", tool_call=True, tool_failed=failed)
+        return self.final(episode)
+
+    def final(self, episode: Episode) -> Step:
+        cut = episode.ended_by == "stop"
+        reward, acc, _ = self.score_fn(episode.data_source, episode.turns[-1], episode.ground_truth)
+        return Step(done=True, reward=float(reward), acc=bool(acc), tool_call=cut, tool_failed=cut)
+
+
+class Calculator(ToolEnvironment):
+    """``<calc>EXPR</calc>`` -> ``<result>VALUE</result>`` (``calculate``); the final answer is scored
+    by the row's verifier (``dapo.rewards.score``: for ``dapo_calc`` rows the built-in ``Answer: N``)."""
+
+    call_open, call_close = CALC_OPEN, CALC_CLOSE
+    result_open, result_close = RESULT_OPEN, RESULT_CLOSE
+
+    def run_tool(self, argument: str) -> tuple[str, bool]:
+        try:
+            return str(calculate(argument)), False
+        except CalcError as exc:
+            return f"error: {exc}", True
 
 
 # ------------------------------------------------------------------------------ choosing one

@@ -205,6 +205,44 @@ def sft_steps(model: Any, steps: int, lr: float, warmup_steps: int,
         yield loss.item()
 
 
+def fine_tune_phases(model: Any, phases: list[tuple[str, dict[str, Any], Callable[[], tuple[Any, Any, Any]]]],
+                     warmup_steps: int, label: str) -> dict[str, float]:
+    """Supervised phases ``(name, {"steps", "lr"}, next_batch)`` in order (``sft_steps``), for the
+    variants fine-tuned from this model (``dapo.tiny_long``, ``dapo.tiny_calc``); each phase's last loss."""
+    model.train()
+    last = {}
+    for name, phase, next_batch in phases:
+        for step, loss in enumerate(sft_steps(model, phase["steps"], phase["lr"], warmup_steps, next_batch)):
+            last[f"{name}_final_loss"] = loss
+            if step % 50 == 0:
+                log.info("%s %s step %d: loss %.3f", label, name, step, loss)
+    model.eval()
+    return last
+
+
+def write_fine_tuned(out: Path, base: Path, seed: int, recipe: tuple[str, dict[str, Any]],
+                     fine_tune: Callable[[Any, Any], dict[str, float]],
+                     configure: Callable[[Any, Any], None] | None = None) -> None:
+    """A variant's folder: ``base`` (this model's folder) loaded in fp32, ``configure(model, tokenizer)``,
+    ``fine_tune(model, tokenizer)``, saved with its generation config and ``dapo_tiny.json`` (the
+    variant's ``recipe`` as (key, value), the base, the seed, the build time and the fine-tune's losses)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.monotonic()
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if configure is not None:
+        configure(model, tokenizer)
+    stats = fine_tune(model, tokenizer)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    shutil.copy(base / "generation_config.json", out / "generation_config.json")
+    info = {recipe[0]: recipe[1], "base": base.name, "seed": seed, "build_time_s": round(time.monotonic() - t0, 2),
+            "fine_tune": stats}
+    (out / "dapo_tiny.json").write_text(json.dumps(info, indent=2) + "\n")
+
+
 def _train_phase(model: Any, tokenizer: Any, problems: Any, rng: random.Random, phase: dict[str, Any],
                  steps: int, lr: float, bar: Any) -> list[float]:
     def batch() -> tuple[Any, Any, Any]:

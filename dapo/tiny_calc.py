@@ -22,8 +22,6 @@ import itertools
 import json
 import logging
 import random
-import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -115,44 +113,22 @@ def _fine_tune(model: Any, tokenizer: Any, seed: int) -> dict[str, float]:
 
     torch.manual_seed(seed)
     rng = random.Random(f"dapo-tiny-calc/{seed}")
-    phases = (("skill", CALC_RECIPE["skill"], None), ("noise", CALC_RECIPE["noise"], CALC_RECIPE["noise"]))
     bs = CALC_RECIPE["batch_size"]
     # Every train problem, reshuffled each pass (the split has ~7,300; the recipe uses more).
     pool = task.sample_calc_problems("train", 7000, seed=seed + 3_000_000)
     problems = (pool[i] for _ in itertools.count() for i in rng.sample(range(len(pool)), len(pool)))
-    model.train()
-    last = {}
-    for name, phase, noise in phases:
-        def batch(noise: dict[str, float] | None = noise) -> tuple[Any, Any, Any]:
-            return _batch(tokenizer, [next(problems) for _ in range(bs)], rng, noise)
 
-        for step, loss in enumerate(tiny.sft_steps(model, phase["steps"], phase["lr"], CALC_RECIPE["warmup_steps"],
-                                                   batch)):
-            last[f"{name}_final_loss"] = loss
-            if step % 50 == 0:
-                log.info("tiny-calc %s step %d: loss %.3f", name, step, loss)
-    model.eval()
-    return last
+    def batches(noise: dict[str, float] | None):
+        return lambda: _batch(tokenizer, [next(problems) for _ in range(bs)], rng, noise)
 
-
-def _write_folder(out: Path, base: Path, seed: int) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    t0 = time.monotonic()
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    stats = _fine_tune(model, tokenizer, seed)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    shutil.copy(base / "generation_config.json", out / "generation_config.json")
-    info = {"calc_recipe": CALC_RECIPE, "base": base.name, "seed": seed,
-            "build_time_s": round(time.monotonic() - t0, 2), "fine_tune": stats}
-    (out / "dapo_tiny.json").write_text(json.dumps(info, indent=2) + "\n")
+    return tiny.fine_tune_phases(model, [("skill", CALC_RECIPE["skill"], batches(None)),
+                                         ("noise", CALC_RECIPE["noise"], batches(CALC_RECIPE["noise"]))],
+                                 CALC_RECIPE["warmup_steps"], "tiny-calc")
 
 
 def ensure_calc_model(cache_dir: str | Path, seed: int = 0, *, progress: bool = True) -> Path:
     """Path of the calculator model folder for ``seed``, building it (and the default model) once."""
     base = tiny.ensure_tiny_model(cache_dir, seed, progress=progress)
     return tiny.build_once(Path(cache_dir) / f"tiny-calc-{calc_recipe_hash(seed)}-seed{seed}",
-                           lambda tmp: _write_folder(tmp, base, seed))
+                           lambda tmp: tiny.write_fine_tuned(tmp, base, seed, ("calc_recipe", CALC_RECIPE),
+                                                             lambda m, t: _fine_tune(m, t, seed)))

@@ -18,8 +18,6 @@ import hashlib
 import json
 import logging
 import random
-import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -75,41 +73,22 @@ def _fine_tune(model: Any, tokenizer: Any, seed: int) -> dict[str, float]:
     phases = (LONG_RECIPE["skill"], LONG_RECIPE["noise"])
     bs = LONG_RECIPE["batch_size"]
     chains = iter(task.sample_chain_problems("train", sum(p["steps"] for p in phases) * bs, seed=seed + 2_000_000))
-    model.train()
-    last = {}
-    for name, phase in zip(("skill", "noise"), phases):
-        def batch(phase: dict[str, Any] = phase) -> tuple[Any, Any, Any]:
-            return _batch(tokenizer, [next(chains) for _ in range(bs)], rng, phase["step_error_prob"])
 
-        for step, loss in enumerate(tiny.sft_steps(model, phase["steps"], phase["lr"], LONG_RECIPE["warmup_steps"],
-                                                   batch)):
-            last[f"{name}_final_loss"] = loss
-            if step % 50 == 0:
-                log.info("tiny-long %s step %d: loss %.3f", name, step, loss)
-    model.eval()
-    return last
+    def batches(phase: dict[str, Any]):
+        return lambda: _batch(tokenizer, [next(chains) for _ in range(bs)], rng, phase["step_error_prob"])
+
+    return tiny.fine_tune_phases(model, [(name, phase, batches(phase)) for name, phase in zip(("skill", "noise"), phases)],
+                                 LONG_RECIPE["warmup_steps"], "tiny-long")
 
 
-def _write_folder(out: Path, base: Path, seed: int) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    t0 = time.monotonic()
-    tokenizer = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+def _longer_context(model: Any, tokenizer: Any) -> None:
     model.config.max_position_embeddings = LONG_RECIPE["max_position_embeddings"]
     tokenizer.model_max_length = LONG_RECIPE["max_position_embeddings"]
-    stats = _fine_tune(model, tokenizer, seed)
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    shutil.copy(base / "generation_config.json", out / "generation_config.json")
-    info = {"long_recipe": LONG_RECIPE, "base": base.name, "seed": seed,
-            "build_time_s": round(time.monotonic() - t0, 2), "fine_tune": stats}
-    (out / "dapo_tiny.json").write_text(json.dumps(info, indent=2) + "\n")
 
 
 def ensure_long_model(cache_dir: str | Path, seed: int = 0, *, progress: bool = True) -> Path:
     """Path of the long model folder for ``seed``, building it (and the default model) once."""
     base = tiny.ensure_tiny_model(cache_dir, seed, progress=progress)
     return tiny.build_once(Path(cache_dir) / f"tiny-long-{long_recipe_hash(seed)}-seed{seed}",
-                           lambda tmp: _write_folder(tmp, base, seed))
+                           lambda tmp: tiny.write_fine_tuned(tmp, base, seed, ("long_recipe", LONG_RECIPE),
+                                                             lambda m, t: _fine_tune(m, t, seed), _longer_context))
