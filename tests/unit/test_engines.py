@@ -311,3 +311,28 @@ def test_bad_arguments_are_rejected(engines):
         engine.generate([[1]], n=1, max_tokens=8, temperature=1.0, top_p=1.0, seed=0, chunk_tokens=0)
     with pytest.raises(ValueError, match="missing"):
         engine.load_weights({"model.embed_tokens.weight": torch.zeros(1)}, version=1)
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+@pytest.mark.parametrize("chunk_tokens", [None, 3])
+def test_stop_when_ends_a_sample_at_an_environments_stop_string(engines, hf_models, model_path, kind, chunk_tokens):
+    """Multi-turn episodes (actors/episodes.py): a sample ends right after the token that completes a
+    stop string, also while weights may load between chunks; its log-probs are still the sampler's."""
+    from transformers import AutoTokenizer
+
+    engine = engines(kind)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    text = tok.apply_chat_template([{"role": "user", "content": "374+458"}], add_generation_prompt=True, tokenize=False)
+    prompts = [tok(text, add_special_tokens=False)["input_ids"]]
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    groups = engine.generate(prompts, n=6, max_tokens=40, temperature=1.0, top_p=1.0, seed=5,
+                             chunk_tokens=chunk_tokens, between_chunks=(lambda: None) if chunk_tokens else None,
+                             stop_when=lambda ids: "=" in decode(ids[-4:]))
+    stopped_at_equals = 0
+    for s in groups[0]:
+        text = decode(s.token_ids)
+        if "=" in text:  # the first "=" is where it stopped: nothing after the token that wrote it
+            assert "=" not in decode(s.token_ids[:-1]) and s.finish_reason == "stop", text
+            stopped_at_equals += 1
+    assert stopped_at_equals >= 4  # the warm-started model writes "4+8+0=12, ..."
+    assert _max_err(groups, prompts, hf_models[0], 1.0) < TOL
