@@ -65,14 +65,20 @@ def sample_problems(split: str, n: int, seed: int) -> list[tuple[int, int]]:
         raise ValueError(f"split {split!r} is unknown: expected one of {SPLITS}.")
     # Salted by split so that train and eval draw independent streams for the same seed.
     rng = random.Random(f"dapo-builtin/{split}/{seed}")
-    out: list[tuple[int, int]] = []
-    seen: set[tuple[int, int]] = set()
+    return _distinct(n, lambda: (rng.randint(OPERAND_MIN, OPERAND_MAX), rng.randint(OPERAND_MIN, OPERAND_MAX)),
+                     lambda pair: split_of(*pair) == split)
+
+
+def _distinct(n: int, draw: Any, keep: Any) -> list:
+    """The first ``n`` distinct draws ``draw()`` that ``keep`` accepts, in order."""
+    out: list = []
+    seen: set = set()
     while len(out) < n:
-        pair = (rng.randint(OPERAND_MIN, OPERAND_MAX), rng.randint(OPERAND_MIN, OPERAND_MAX))
-        if pair in seen or split_of(*pair) != split:
+        item = draw()
+        if item in seen or not keep(item):
             continue
-        seen.add(pair)
-        out.append(pair)
+        seen.add(item)
+        out.append(item)
     return out
 
 
@@ -168,16 +174,12 @@ def sample_chain_problems(split: str, n: int, seed: int) -> list[tuple[int, ...]
     if split not in SPLITS:
         raise ValueError(f"split {split!r} is unknown: expected one of {SPLITS}.")
     rng = random.Random(f"dapo-builtin-long/{split}/{seed}")
-    out: list[tuple[int, ...]] = []
-    seen: set[tuple[int, ...]] = set()
-    while len(out) < n:
+
+    def draw() -> tuple[int, ...]:
         count = rng.randint(CHAIN_OPERANDS_MIN, CHAIN_OPERANDS_MAX)
-        ops = tuple(rng.randint(OPERAND_MIN, OPERAND_MAX) for _ in range(count))
-        if ops in seen or chain_split_of(ops) != split:
-            continue
-        seen.add(ops)
-        out.append(ops)
-    return out
+        return tuple(rng.randint(OPERAND_MIN, OPERAND_MAX) for _ in range(count))
+
+    return _distinct(n, draw, lambda ops: chain_split_of(ops) == split)
 
 
 def chain_solution(operands: tuple[int, ...], *, rng: random.Random | None = None,
@@ -228,15 +230,9 @@ def sample_calc_problems(split: str, n: int, seed: int) -> list[tuple[int, int]]
     if n > available:
         raise ValueError(f"the calculator task's {split} split has {available} distinct problems; asked for {n}")
     rng = random.Random(f"dapo-builtin-calc/{split}/{seed}")
-    out: list[tuple[int, int]] = []
-    seen: set[tuple[int, int]] = set()
-    while len(out) < n:
-        pair = (rng.randint(CALC_OPERAND_MIN, CALC_OPERAND_MAX), rng.randint(CALC_OPERAND_MIN, CALC_OPERAND_MAX))
-        if pair in seen or chain_split_of(pair) != split:
-            continue
-        seen.add(pair)
-        out.append(pair)
-    return out
+    return _distinct(n, lambda: (rng.randint(CALC_OPERAND_MIN, CALC_OPERAND_MAX),
+                                 rng.randint(CALC_OPERAND_MIN, CALC_OPERAND_MAX)),
+                     lambda pair: chain_split_of(pair) == split)
 
 
 def make_calc_rows(split: str, n: int, seed: int) -> list[dict[str, Any]]:
