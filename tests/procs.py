@@ -14,6 +14,11 @@ SOAK = bool(os.environ.get("DAPO_SOAK"))
 """DAPO_SOAK=1: also run the variants CI's budget (15 minutes on 2 cores) leaves out."""
 
 
+def soak_only(why: str):
+    """A test that only DAPO_SOAK=1 runs; ``why``: what covers it in CI's budget."""
+    return pytest.mark.skipif(not SOAK, reason=f"DAPO_SOAK=1 runs it ({why})")
+
+
 def soak_variant(*values, why: str):
     """A parametrize case that only DAPO_SOAK=1 runs; ``why``: what makes CI's other case enough."""
     return pytest.param(*values, marks=pytest.mark.skipif(not SOAK, reason=f"DAPO_SOAK=1 runs it ({why})"))

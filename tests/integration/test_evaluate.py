@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from actors.evaluate import PromptResult, main, pass_at_k, summarize
+from tests.procs import soak_only
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -215,6 +216,8 @@ def test_aime_2024_end_to_end_scores_near_zero(tmp_path, tiny_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
+@soak_only("CI's budget: both verifiers' verdicts are unit-tested in test_rewards.py, and `dapo eval` end to end "
+           "by the AIME, held-out and custom reward_fn tests here")
 def test_boxed_and_dapo_math_sources_end_to_end(tmp_path, tiny_path):
     """Built-in problems (which the tiny model often solves) under an AIME-style source (the boxed
     verifier, ground truths zero-padded: numeric equality) and the DAPO math source (string

@@ -26,6 +26,7 @@ import pytest
 
 from dapo import algorithm, rewards, task, tiny
 from dapo.config import load_config
+from tests.procs import soak_only
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE_DIR = ROOT / ".cache" / "dapo"
@@ -163,6 +164,8 @@ def _learner_rank(rank: int, init_file: str, out_file: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@soak_only("CI's budget: test_run.py checks held-out accuracy rising through the whole loop, test_trainer.py the "
+           "trainer against first principles, test_engines.py the sampler's log-probs against transformers")
 def test_learner_steps_raise_held_out_accuracy_of_the_builtin_task(tmp_path):
     import torch.multiprocessing as mp
 
