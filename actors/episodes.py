@@ -84,6 +84,11 @@ class _State:
         self.versions += sample.versions
         self.mask += [mask] * sample.num_tokens
 
+    def episode(self, final: bool) -> Episode:
+        """What the environment sees of this episode now."""
+        return Episode(self.row.data_source, self.row.ground_truth, tuple(self.turns), tuple(self.observations),
+                       self.ended_by, final)
+
     def end_turn(self, finish_reason: str, decode: Callable[[list[int]], str], stop_strings: tuple[str, ...]) -> None:
         text = decode(self.tokens[self.turn_start:])
         self.turns.append(text)
@@ -122,8 +127,7 @@ def run_episodes(engine: Engine, rows: list[EpisodeRow], n: int, pool: EnvPool, 
         s.end_turn(finish_reason, decode, stop_strings)
         s.truncated = s.ended_by == "length"
         final = s.truncated or len(s.turns) >= min(max_turns, described[s.row.env][1])
-        pool.submit(i, s.row.env, Episode(s.row.data_source, s.row.ground_truth, tuple(s.turns),
-                                          tuple(s.observations), s.ended_by, final))
+        pool.submit(i, s.row.env, s.episode(final))
 
     def should_generate() -> bool:
         # When every open episode is ready, or at least half of them: an episode whose tool is
@@ -143,8 +147,7 @@ def run_episodes(engine: Engine, rows: list[EpisodeRow], n: int, pool: EnvPool, 
             if not step.done and len(s.tokens) + len(obs) >= max_tokens:
                 # No room for the observation and a model token: the environment ends it now.
                 s.truncated = True
-                pool.submit(answer.key, s.row.env, Episode(s.row.data_source, s.row.ground_truth, tuple(s.turns),
-                                                           tuple(s.observations), s.ended_by, True))
+                pool.submit(answer.key, s.row.env, s.episode(final=True))
                 continue
             s.tool_calls += step.tool_call
             s.tool_failures += step.tool_failed
