@@ -112,12 +112,20 @@ class EnvPool:
         """(stop_strings, max_turns) of environment ``spec``, asked of a worker (user code stays out
         of the actor's interpreter); raises ``EnvError`` when it cannot be loaded."""
         if spec not in self._described:
-            worker = self._start()
+            # An idle pool worker answers (it then has the environment loaded for the steps); a
+            # throwaway one only when every worker is busy.
+            worker = next((w for w in self.workers if w.job is None), None)
+            if worker is None:
+                worker = self._start()
+                if len(self.workers) < self.num_workers:
+                    self.workers.append(worker)
+            reply = None
             try:
                 worker.send(["describe", spec])
                 reply = worker.read(START_TIMEOUT_S)
             finally:
-                worker.kill()
+                if reply is None or worker not in self.workers:
+                    self._forget(worker)
             if reply is None or reply[0] != "ok":
                 raise EnvError(f"environment {spec!r}: {reply[1] if reply else 'the worker gave no answer'}")
             self._described[spec] = (tuple(reply[1]), int(reply[2]))
@@ -144,14 +152,15 @@ class EnvPool:
             try:
                 idle.send(request)
             except OSError:  # it died idle: a fresh one takes the step
-                self._replace(idle)
+                self._forget(idle)
                 self.queue.insert(0, (key, request))
                 continue
             idle.job = (key, time.monotonic() + self.timeout_s)
 
-    def _replace(self, worker: _Worker) -> None:
+    def _forget(self, worker: _Worker) -> None:
         worker.kill()
-        self.workers.remove(worker)
+        if worker in self.workers:
+            self.workers.remove(worker)
 
     def poll(self, timeout_s: float) -> list[Answer]:
         """Answers that arrive within ``timeout_s`` (at least one if any step is pending and
@@ -176,7 +185,7 @@ class EnvPool:
                     self.num_timeouts += time.monotonic() >= deadline
                     log.warning("environment step gave no answer within %.1fs; the episode scores %.0f and the "
                                 "worker restarts", self.timeout_s, FAILED_REWARD)
-                    self._replace(worker)
+                    self._forget(worker)
                     out.append(Answer(key, Step(done=True, reward=FAILED_REWARD), "timeout"))
                     continue
                 worker.job = None
