@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from dapo import rewards
 from dapo.data import TEMPLATES, Prompt, PromptDataset, rows_for
+from dapo.envs import env_spec
 from dapo.runtime import apply_service_env
 
 if TYPE_CHECKING:  # the engine module imports torch, which must wait for apply_service_env()
@@ -85,6 +86,11 @@ class PromptResult:
     """Per sample: the extracted answer (``[INVALID]`` when none)."""
     responses: list[str] | None = None
     """Per sample: the decoded text (only with --save-responses)."""
+    turns: list[int] | None = None
+    """Per sample, multi-turn rows only (an environment, ``dapo.envs``): the model's turns."""
+    tool_calls: list[int] | None = None
+    """Per sample, multi-turn rows only: tool calls, and below those that failed."""
+    tool_failures: list[int] | None = None
 
 
 def summarize(results: list[PromptResult], k: int) -> dict[str, Any]:
@@ -102,7 +108,20 @@ def summarize(results: list[PromptResult], k: int) -> dict[str, Any]:
         "mean_response_length_tokens": sum(lengths) / num_samples,
         "max_response_length_tokens": max(lengths),
         "truncation_rate": sum(sum(r.truncated) for r in results) / num_samples,
+        **_episode_summary([r for r in results if r.turns is not None]),
     }
+
+
+def _episode_summary(results: list[PromptResult]) -> dict[str, Any]:
+    """Turns and tool use of the multi-turn results (none: nothing)."""
+    if not results:
+        return {}
+    episodes = sum(len(r.turns or []) for r in results)
+    calls = sum(sum(r.tool_calls or []) for r in results)
+    failures = sum(sum(r.tool_failures or []) for r in results)
+    return {"episodes": episodes, "mean_turns": sum(sum(r.turns or []) for r in results) / episodes,
+            "tool_calls_per_episode": calls / episodes,
+            "tool_success": (calls - failures) / calls if calls else None}
 
 
 def format_table(report: dict[str, Any]) -> str:
@@ -117,6 +136,12 @@ def format_table(report: dict[str, Any]) -> str:
         lines.append(f"{name:<{w}} {m['num_prompts']:>7} {m['num_samples']:>8} {m['avg@k']:>8.4f} "
                      f"{m['pass@k']:>8.4f} {m['pass@1']:>8.4f} {m['mean_response_length_tokens']:>8.1f} "
                      f"{m['truncation_rate']:>6.3f}")
+    if "episodes" in (m := report["overall"]):
+        success = "n/a" if m["tool_success"] is None else f"{m['tool_success']:.3f}"
+        errors = report["verifier"]
+        lines.append(f"multi-turn: {m['episodes']} episodes, {m['mean_turns']:.2f} turns and "
+                     f"{m['tool_calls_per_episode']:.2f} tool calls each, tool success {success}; environment "
+                     f"errors {errors['env_errors']} ({errors['env_timeouts']} timeouts)")
     errors = report["verifier"]
     lines.append(f"verifier errors: {errors['errors']} ({errors['timeouts']} timeouts) of {errors['calls']} calls; "
                  f"generation {report['time_s']['generate']:.1f}s, "
@@ -133,7 +158,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             "Reports avg@k (mean accuracy over all\n"
             "samples: the DAPO paper's avg@32), pass@k (unbiased estimator, n = k: a prompt counts when any\n"
             "sample is correct), pass@1, a per-data_source breakdown, mean response length, truncation\n"
-            "rate and verifier errors. Prompts render exactly as in training (dapo/data.py)."),
+            "rate and verifier errors. Prompts render exactly as in training (dapo/data.py). Rows of a\n"
+            "multi-turn environment (actor.env, or the data_source's own: dapo/envs.py ENVS) run as episodes\n"
+            "with their tools, as the actors run them (actor.max_turns, actor.env_workers, actor.env_timeout_s)."),
         epilog="Examples:\n"
                "  dapo eval builtin:tiny builtin --k 8\n"
                "  dapo eval builtin:tiny data/aime-2024.parquet --k 2 --limit 8\n"
@@ -194,12 +221,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def check_data_sources(prompts: list[Prompt], data: str, template: str, reward_fn: str) -> None:
+def check_data_sources(prompts: list[Prompt], data: str, template: str, reward_fn: str, actor_env: str = "") -> None:
     """Fail before any generation when ``reward_fn`` (``actor.reward_fn``) cannot be imported or,
     the default, has no verifier for a row's data_source; warn when the prompt asks for an answer
-    format its verifier does not read."""
+    format its verifier does not read. Rows of a multi-turn environment (``actor.env``, or the
+    source's own in ``dapo.envs.ENVS``) are scored by it, as in training."""
     rewards.load_reward_fn(reward_fn)  # the worker imports it again; here a bad one costs no engine start
-    counts = Counter(p.data_source for p in prompts)
+    counts = Counter(p.data_source for p in prompts if not env_spec(p.data_source, actor_env))
     rewards.check_data_sources(counts, data, reward_fn)
     if reward_fn != rewards.SCORE_FN:
         return
@@ -288,7 +316,7 @@ def prepare(args: argparse.Namespace) -> EvalInputs:
     if dataset.duplicates_dropped:
         log.info("%s: %d duplicate prompts dropped (data.dedup_by_prompt=true)", args.data, dataset.duplicates_dropped)
     prompts = [dataset[i] for i in range(len(dataset))][:args.limit]
-    check_data_sources(prompts, args.data, args.prompt_template, cfg.actor.reward_fn)
+    check_data_sources(prompts, args.data, args.prompt_template, cfg.actor.reward_fn, cfg.actor.env)
     dtype, limit_tokens = model_settings(model_path, args.dtype)
     prompts, skipped = fit_prompts(prompts, limit_tokens, max_response_tokens, args.skip_long_prompts)
     if skipped:
@@ -299,13 +327,15 @@ def prepare(args: argparse.Namespace) -> EvalInputs:
 
 
 def run_eval(args: argparse.Namespace, inputs: EvalInputs) -> dict[str, Any]:
-    """Generate and score; returns the report (``build_report``)."""
+    """Generate and score; returns the report (``build_report``). Rows of a multi-turn environment
+    run as training runs them: episodes through the actors' driver and environment workers."""
     from tqdm import tqdm
 
     from actors.engines import make_engine
+    from actors.env_pool import EnvPool
     from actors.verifier import Verifier
 
-    prompts = inputs.prompts
+    prompts, a = inputs.prompts, inputs.cfg.actor
     t_load = time.perf_counter()
     # A context no longer than needed: vLLM reserves KV cache for one full-length sequence.
     max_model_len = max(len(p.prompt_token_ids) for p in prompts) + inputs.max_response_tokens
@@ -313,8 +343,10 @@ def run_eval(args: argparse.Namespace, inputs: EvalInputs) -> dict[str, Any]:
     # per-token log-probs it also returns are not used here.
     engine = make_engine("vllm", str(inputs.model_path), dtype=inputs.dtype, max_model_len_tokens=max_model_len,
                          seed=args.seed)
-    # The same scoring function and deadline as the actors use in training.
-    verifier = Verifier(inputs.cfg.actor.verifier_timeout_s, inputs.cfg.actor.reward_fn)
+    # The same scoring function, environments and deadlines as the actors use in training.
+    verifier = Verifier(a.verifier_timeout_s, a.reward_fn)
+    pool = EnvPool(a.env_workers, a.env_timeout_s, a.reward_fn) if any(
+        env_spec(p.data_source, a.env) for p in prompts) else None
     results: list[PromptResult] = []
     generate_s = score_s = 0.0
     prompts_per_batch = max(1, args.samples_per_batch // args.k)
@@ -323,24 +355,56 @@ def run_eval(args: argparse.Namespace, inputs: EvalInputs) -> dict[str, Any]:
         with tqdm(total=len(prompts), desc="eval", unit="prompt", file=sys.stderr) as bar:
             for start in range(0, len(prompts), prompts_per_batch):
                 batch = prompts[start:start + prompts_per_batch]
+                single = [p for p in batch if not env_spec(p.data_source, a.env)]
+                multi = [p for p in batch if env_spec(p.data_source, a.env)]
                 t0 = time.perf_counter()
-                groups = engine.generate([p.prompt_token_ids for p in batch], n=args.k,
+                groups = engine.generate([p.prompt_token_ids for p in single], n=args.k,
                                          max_tokens=inputs.max_response_tokens, temperature=args.temperature,
-                                         top_p=args.top_p, seed=args.seed + start)
+                                         top_p=args.top_p, seed=args.seed + start) if single else []
                 t1 = time.perf_counter()
-                results += [score_group(verifier, inputs.tokenizer, p, group, args.save_responses)
-                            for p, group in zip(batch, groups)]
-                generate_s += t1 - t0
-                score_s += time.perf_counter() - t1
+                by_id = {p.prompt_id: score_group(verifier, inputs.tokenizer, p, group, args.save_responses)
+                         for p, group in zip(single, groups)}
+                t2 = time.perf_counter()
+                if multi:  # the environment's steps count as generation, as in the actors' stages
+                    by_id |= run_episode_group(engine, pool, inputs, args, multi, seed=args.seed + start)
+                generate_s += t1 - t0 + time.perf_counter() - t2
+                score_s += t2 - t1
+                results += [by_id[p.prompt_id] for p in batch]
                 bar.update(len(batch))
                 bar.set_postfix(acc=f"{sum(sum(r.acc) for r in results) / (len(results) * args.k):.3f}")
         counts = {"calls": verifier.num_calls, "errors": verifier.num_errors, "timeouts": verifier.num_timeouts}
+        if pool is not None:
+            counts |= {"env_errors": pool.num_errors, "env_timeouts": pool.num_timeouts}
     finally:
         verifier.close()
+        if pool is not None:
+            pool.close()
         engine.close()
     return build_report(args, inputs, results, counts,
                         {"prepare": inputs.prepare_s, "load": t_gen - t_load, "generate": generate_s,
                          "score": score_s, "total": inputs.prepare_s + time.perf_counter() - t_load})
+
+
+def run_episode_group(engine: Any, pool: Any, inputs: EvalInputs, args: argparse.Namespace,
+                      prompts: list[Prompt], seed: int) -> dict[int, PromptResult]:
+    """k episodes per prompt (``actors.episodes.run_episodes``, the actors' settings), each scored
+    by its environment."""
+    from actors.episodes import EpisodeRow, run_episodes
+
+    a, tok = inputs.cfg.actor, inputs.tokenizer
+    rows = [EpisodeRow(list(p.prompt_token_ids), p.data_source, p.ground_truth, env_spec(p.data_source, a.env))
+            for p in prompts]
+    out = run_episodes(engine, rows, args.k, pool, decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+                       encode=lambda text: tok(text, add_special_tokens=False)["input_ids"],
+                       max_tokens=inputs.max_response_tokens, max_turns=a.max_turns, temperature=args.temperature,
+                       top_p=args.top_p, seed=seed)
+    return {p.prompt_id: PromptResult(
+        p.prompt_id, p.data_source, p.ground_truth, acc=[e.acc for e in group],
+        length_tokens=[e.num_tokens for e in group], truncated=[e.finish_reason == "length" for e in group],
+        preds=["" for _ in group],  # an environment reports a reward, not an extracted answer
+        responses=[tok.decode(e.token_ids, skip_special_tokens=True) for e in group] if args.save_responses else None,
+        turns=[e.turns for e in group], tool_calls=[e.tool_calls for e in group],
+        tool_failures=[e.tool_failures for e in group]) for p, group in zip(prompts, out)}
 
 
 def score_group(verifier: Any, tokenizer: Any, prompt: Prompt, samples: list[Sample],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from dapo.envs import Environment, Episode, Step
 
@@ -19,6 +20,15 @@ class EqualsEnv(Environment):
         if episode.ended_by == "stop" and not episode.final:
             return Step(observation=OBSERVATION, tool_call=True)
         return Step(done=True, reward=float(len(episode.turns)), acc=len(episode.turns) > 1)
+
+
+class EvenEqualsEnv(EqualsEnv):
+    """EqualsEnv, but correct only for an even ground truth that got an observation: the outcome
+    is known from the row, whatever the model writes."""
+
+    def step(self, episode: Episode) -> Step:
+        step = super().step(episode)
+        return replace(step, acc=step.acc and int(episode.ground_truth) % 2 == 0) if step.done else step
 
 
 class MisbehavingEnv(Environment):

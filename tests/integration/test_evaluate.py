@@ -29,6 +29,7 @@ CACHE_DIR = ROOT / ".cache" / "dapo"  # the repo's shared cache: the tiny model 
 
 METRIC_KEYS = {"num_prompts", "num_samples", "avg@k", "pass@k", "pass@1", "mean_response_length_tokens",
                "max_response_length_tokens", "truncation_rate"}
+EPISODE_KEYS = {"episodes", "mean_turns", "tool_calls_per_episode", "tool_success"}
 REPORT_KEYS = {"model", "model_path", "data", "k", "temperature", "top_p", "max_response_tokens",
                "prompt_template", "dtype", "seed", "limit", "reward_fn", "overall", "by_data_source",
                "skipped_prompt_ids", "verifier", "time_s", "throughput_tokens_per_s", "per_prompt"}
@@ -163,14 +164,14 @@ def _check_every_verdict(report: dict) -> int:
     return total
 
 
-def _run_eval(args: list[str], out: Path) -> dict:
+def _run_eval(args: list[str], out: Path, episodes: bool = False) -> dict:
     cmd = [sys.executable, "-m", "actors.evaluate", *args, "--out", str(out), f"run.cache_dir={CACHE_DIR}"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}  # HERE: actor_rewards
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=170)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert set(report) == REPORT_KEYS
-    assert set(report["overall"]) == METRIC_KEYS
+    assert set(report["overall"]) == METRIC_KEYS | (EPISODE_KEYS if episodes else set())
     assert f"avg@{report['k']}" in proc.stdout  # the table was printed
     return report
 
@@ -308,3 +309,39 @@ def test_custom_reward_fn_scores_a_source_no_verifier_knows(tmp_path, tiny_path)
     assert [p["acc"] for p in report["per_prompt"]] == [[e] * k for e in even]
     assert report["overall"]["avg@k"] == sum(even) / len(rows)
     assert report["verifier"] == {"calls": len(rows) * k, "errors": 0, "timeouts": 0}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_multi_turn_rows_run_as_episodes_of_their_environment(tmp_path, tiny_path):
+    """``dapo eval`` runs an environment's rows as the actors do: with ``actor.env=EvenEqualsEnv`` a
+    turn that ends at "=" gets the observation "<obs>" (at most 3 turns) and an episode is correct
+    when it had more than one turn and its ground truth is even. Every figure is re-derived from the
+    saved text and the rows: the observations in the text are the tool calls, one more is the
+    turns, acc follows, and the summary counts them."""
+    from dapo import task
+    from tests.sample_envs import OBSERVATION
+
+    rows = task.make_builtin_rows("eval", 6, seed=7)
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    k = 4
+    report = _run_eval(["builtin:tiny", str(data), "--k", str(k), "--max-response-tokens", "48", "--save-responses",
+                        "actor.env=tests.sample_envs:EvenEqualsEnv", "actor.env_workers=2"], tmp_path / "ep.json",
+                       episodes=True)
+    calls, correct = [], []
+    for p in report["per_prompt"]:
+        seen = [r.count(OBSERVATION) for r in p["responses"]]
+        expected = [n >= 1 and int(p["ground_truth"]) % 2 == 0 for n in seen]
+        assert p["tool_calls"] == seen and p["tool_failures"] == [0] * k
+        assert p["turns"] == [n + 1 for n in seen] and max(p["turns"]) <= 3
+        assert p["acc"] == expected and p["num_correct"] == sum(expected)
+        calls, correct = calls + seen, correct + expected
+    m = report["overall"]
+    assert (m["episodes"], m["num_samples"]) == (len(rows) * k, len(rows) * k)
+    assert m["mean_turns"] == pytest.approx(1 + sum(calls) / len(calls), abs=1e-12)
+    assert m["tool_calls_per_episode"] == pytest.approx(sum(calls) / len(calls), abs=1e-12)
+    assert m["avg@k"] == pytest.approx(sum(correct) / len(correct), abs=1e-12)
+    assert sum(calls) > 0 and 0 < sum(correct) < len(correct)  # tools were called; both outcomes occur
+    assert m["tool_success"] == 1.0 and report["verifier"]["calls"] == 0  # scored by the environment
+    assert (report["verifier"]["env_errors"], report["verifier"]["env_timeouts"]) == (0, 0)
