@@ -23,6 +23,7 @@ reduce-scatters are collectives); a rank with less work gets an empty micro-batc
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from dapo.algorithm import group_advantages
 from dapo.config import AlgorithmConfig
 from dapo.wire import TrajectoryGroup
+from learner.attention import SpanPlan
 
 _INT_COLS = 4  # per sequence: seq_len, minibatch, microbatch, prompt_len (0: not known, not shared)
 
@@ -195,6 +197,11 @@ class PackedMicroBatch:
     @property
     def is_empty(self) -> bool:
         return self.num_seqs == 0
+
+    @functools.cached_property
+    def attention_plan(self) -> SpanPlan | None:
+        """``spans`` as the attention's index tensors, built once for every layer and pass."""
+        return SpanPlan(self.spans) if self.spans is not None else None
 
     @staticmethod
     def pack(tokens: torch.Tensor, seq_lens: torch.Tensor, sampler_logp: torch.Tensor, loss_mask: torch.Tensor,

@@ -213,7 +213,7 @@ class Trainer:
             mb.target_ids.to(dev)[None], temperature=self.settings.temperature,
             chunk_tokens=self.settings.learner.logprob_chunk_tokens, with_entropy=with_entropy)
         with head, cast:  # the head runs inside the root module's forward, where FSDP2 has gathered its weight
-            out = self.model(**rows, logits_to_keep=mb.logit_index.to(dev), dapo_spans=mb.spans)
+            out = self.model(**rows, logits_to_keep=mb.logit_index.to(dev), dapo_spans=mb.attention_plan)
         if self.head is not None:
             res = out.logits[0]  # [K, 2]: log-prob, entropy (fp32: learner/logprobs.py)
             return res[:, 0], (res[:, 1].detach() if with_entropy else None)
