@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
@@ -88,16 +89,50 @@ def time_to_target(records: Sequence[Record], key: str, target: float) -> tuple[
     return None
 
 
+SEED_SUFFIX = re.compile(r"-seed\d+$")
+
+
+def by_setting(runs: Mapping[str, Sequence[Record]]) -> dict[str, list[Sequence[Record]]]:
+    """Runs grouped by setting: labels that differ only in their ``-seedN`` suffix (``dapo sweep``'s
+    labels) are one setting, in first-seen order."""
+    out: dict[str, list[Sequence[Record]]] = {}
+    for label, recs in runs.items():
+        out.setdefault(SEED_SUFFIX.sub("", label), []).append(recs)
+    return out
+
+
+def mean_curve(group: Sequence[Sequence[Record]], key: str, x: str) -> tuple[list[float], list[float], list[float],
+                                                                              list[float]]:
+    """(x, mean, min, max) of ``key`` over the runs of one setting, at each step any of them recorded
+    it; x is the step, or the runs' mean ``x`` at that step."""
+    at: dict[float, list[tuple[float, float]]] = {}
+    for recs in group:
+        for r in recs:
+            v = r.get(key)
+            if v is not None and math.isfinite(float(v)):
+                at.setdefault(float(r["step"]), []).append((float(r[x]), float(v)))
+    steps = sorted(at)
+    xs = [sum(p[0] for p in at[s]) / len(at[s]) for s in steps]
+    ys = [[p[1] for p in at[s]] for s in steps]
+    return xs, [sum(y) / len(y) for y in ys], [min(y) for y in ys], [max(y) for y in ys]
+
+
 def plot_sweep(runs: Mapping[str, Sequence[Record]], out_png: str | Path, key: str = "eval/accuracy",
                title: str = "") -> Path:
-    """One curve per run: ``key`` against step and against wall time, plus staleness and idle bars."""
+    """One curve per setting (the mean over its seeds, their min-max shaded): ``key`` against step
+    and against wall time, plus staleness and idle bars."""
     plt = _plt()
     fig, axes = plt.subplots(1, 4, figsize=(18, 4.2))
-    labels = list(runs)
+    settings = by_setting(runs)
+    labels = list(settings)
     for label in labels:
+        group = settings[label]
+        name = label if len(group) == 1 else f"{label} (mean of {len(group)})"
         for ax, x in zip(axes[:2], ("step", "time_s")):
-            xs, ys = series(runs[label], key, x)
-            ax.plot(xs, ys, marker=".", label=label)
+            xs, mean, lo, hi = mean_curve(group, key, x)
+            (line,) = ax.plot(xs, mean, marker=".", label=name)
+            if len(group) > 1:
+                ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15, linewidth=0)
     axes[0].set_xlabel("training step")
     axes[1].set_xlabel("wall time (s)")
     for ax in axes[:2]:
@@ -105,11 +140,15 @@ def plot_sweep(runs: Mapping[str, Sequence[Record]], out_png: str | Path, key: s
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     # Staleness histogram of the samples consumed: the replay queue's cumulative counters
-    # ``queue/staleness/<versions>`` in the run's last record.
+    # ``queue/staleness/<versions>`` in each run's last record, summed over a setting's seeds.
     width = 0.8 / max(len(labels), 1)
     for i, label in enumerate(labels):
-        last = runs[label][-1] if runs[label] else {}
-        hist = {int(k.rsplit("/", 1)[1]): float(v) for k, v in last.items() if k.startswith(STALENESS_PREFIX)}
+        hist: dict[int, float] = {}
+        for recs in settings[label]:
+            last = recs[-1] if recs else {}
+            for k, v in last.items():
+                if k.startswith(STALENESS_PREFIX):
+                    hist[int(k.rsplit("/", 1)[1])] = hist.get(int(k.rsplit("/", 1)[1]), 0.0) + float(v)
         if hist:
             total = sum(hist.values()) or 1.0
             ks = sorted(hist)
@@ -118,7 +157,8 @@ def plot_sweep(runs: Mapping[str, Sequence[Record]], out_png: str | Path, key: s
     axes[2].set_ylabel("fraction of samples")
     if axes[2].get_legend_handles_labels()[0]:
         axes[2].legend(fontsize=8)
-    idle = [(mean_of(runs[lb], "actors/idle_fraction"), mean_of(runs[lb], "learner/idle_fraction")) for lb in labels]
+    idle = [tuple(sum(mean_of(recs, k) for recs in settings[lb]) / len(settings[lb])
+                  for k in ("actors/idle_fraction", "learner/idle_fraction")) for lb in labels]
     xs = range(len(labels))
     axes[3].bar([x - 0.2 for x in xs], [a for a, _ in idle], width=0.4, label="actors idle")
     axes[3].bar([x + 0.2 for x in xs], [b for _, b in idle], width=0.4, label="learner idle")

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from dapo.launch import resolve_config, signal_on_parent_death, spawn
-from dapo.plots import mean_of, plot_sweep, read_metrics, series, time_to_target
+from dapo.plots import SEED_SUFFIX, mean_of, plot_sweep, read_metrics, series, time_to_target
 
 
 def run_point(label: str, overrides: list[str]) -> int:
@@ -57,6 +57,28 @@ def summarize(runs: dict[str, list[dict]], target: float) -> list[dict]:
     for row in rows:
         row["speed-up vs first"] = base / row["time to target (s)"]
     return rows
+
+
+def summarize_settings(rows: list[dict]) -> list[dict]:
+    """One row per setting (``summarize``'s rows whose runs differ only in their seed): the mean over its
+    seeds of the start, final and best accuracy; how many reached the target; the mean steps and time
+    to it over those that did."""
+    out = []
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(SEED_SUFFIX.sub("", r["run"]), []).append(r)
+
+    def mean(rs: list[dict], key: str) -> float:
+        return sum(r[key] for r in rs) / len(rs) if rs else math.nan
+
+    out = []
+    for setting, group in groups.items():
+        hit = [r for r in group if not math.isnan(r["steps to target"])]
+        out.append({"setting": setting, "seeds": len(group), "start acc": mean(group, "start acc"),
+                    "final acc": mean(group, "final acc"), "best acc": mean(group, "best acc"),
+                    "reached target": f"{len(hit)}/{len(group)}", "steps to target": mean(hit, "steps to target"),
+                    "time to target (s)": mean(hit, "time to target (s)")})
+    return out
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -109,7 +131,10 @@ def main(argv: list[str] | None = None) -> int:
             failed.append(label)
         metrics = out_dir / label / "metrics.jsonl"
         runs[label] = read_metrics(metrics) if metrics.exists() else []
-    table = markdown_table(summarize(runs, target))
+    rows = summarize(runs, target)
+    table = markdown_table(rows)
+    if len(seeds) > 1:  # and the mean over seeds of each setting
+        table += "\nMean over seeds:\n\n" + markdown_table(summarize_settings(rows))
     (out_dir / "summary.md").write_text(f"# dapo sweep over {key}\n\nTarget accuracy {target}.\n\n{table}")
     png = plot_sweep(runs, out_dir / "sweep.png", title=f"dapo sweep over {key}")
     print(table + f"\ndapo sweep: table in {out_dir / 'summary.md'}, plot in {png}", file=sys.stderr)
