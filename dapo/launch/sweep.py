@@ -63,7 +63,6 @@ def summarize_settings(rows: list[dict]) -> list[dict]:
     """One row per setting (``summarize``'s rows whose runs differ only in their seed): the mean over its
     seeds of the start, final and best accuracy; how many reached the target; the mean steps and time
     to it over those that did."""
-    out = []
     groups: dict[str, list[dict]] = {}
     for r in rows:
         groups.setdefault(SEED_SUFFIX.sub("", r["run"]), []).append(r)
