@@ -10,7 +10,7 @@
 so a slow tool delays only its own episode: the others go on to their next turns. The model's
 tokens are kept as sampled (never re-tokenised); an observation is tokenised once, alone, and
 appended. A turn ends at EOS, at an environment's stop string (``stop_when``: the engine checks
-the decoded tail) or at the token cap: ``max_tokens`` counts model and observation tokens together
+the decoded tail; ``boundary_stop`` one split between two calls of the same turn) or at the token cap: ``max_tokens`` counts model and observation tokens together
 (as verl's multi-turn response length), ``max_turns`` the model's turns. Weight updates in flight
 (``between_chunks``) happen inside a turn, as for single-turn samples, and between turns; each
 token keeps the version that sampled it (an observation token the version of the token before it).
@@ -89,6 +89,10 @@ class _State:
         return Episode(self.row.data_source, self.row.ground_truth, tuple(self.turns), tuple(self.observations),
                        self.ended_by, final)
 
+    def cut(self, end: int) -> None:
+        """Drop every token from ``end`` on (the model's, of the current turn)."""
+        del self.tokens[end:], self.logprobs[end:], self.versions[end:], self.mask[end:]
+
     def end_turn(self, finish_reason: str, decode: Callable[[list[int]], str], stop_strings: tuple[str, ...]) -> None:
         text = decode(self.tokens[self.turn_start:])
         self.turns.append(text)
@@ -101,6 +105,22 @@ def stop_check(stop_strings: tuple[str, ...], decode: Callable[[list[int]], str]
     if not stop_strings:
         return None
     return lambda ids: any(s in decode(ids[-STOP_TAIL_TOKENS:]) for s in stop_strings)
+
+
+def boundary_stop(tokens: list[int], turn_start: int, seam: int, decode: Callable[[list[int]], str],
+                  stop_strings: tuple[str, ...]) -> int | None:
+    """Where a turn generated in two engine calls should have ended: the first ``end`` >= ``seam`` (the
+    first token of the later call) at which a stop string completes, or None. The engine checks
+    only the tokens of its own call, so a stop string split across the seam goes unseen there; one
+    that completes later lies wholly in the later call and stopped it. ``end`` = ``seam`` when the
+    earlier call ended at its token budget on the stop string's last token."""
+    if not stop_strings or seam <= turn_start:
+        return None
+    longest = max(len(s) for s in stop_strings)  # characters; a token is at least one
+    for end in range(seam, min(len(tokens), seam + longest) + 1):
+        if any(s in decode(tokens[max(turn_start, end - STOP_TAIL_TOKENS):end]) for s in stop_strings):
+            return end
+    return None
 
 
 def run_episodes(engine: Engine, rows: list[EpisodeRow], n: int, pool: EnvPool, *,
@@ -168,8 +188,12 @@ def run_episodes(engine: Engine, rows: list[EpisodeRow], n: int, pool: EnvPool, 
             outs = generate([states[i].row.prompt_ids + states[i].tokens for i in batch], 1, budget, calls)
             calls += 1
             for i, [sample] in zip(batch, outs):
-                states[i].add(sample, 1)
-                if sample.finish_reason == "length" and len(states[i].tokens) < max_tokens:
+                s, seam = states[i], len(states[i].tokens)
+                s.add(sample, 1)
+                if (end := boundary_stop(s.tokens, s.turn_start, seam, decode, stop_strings)) is not None:
+                    s.cut(end)  # as if the engine had stopped there: what it sampled after is dropped
+                    turn_ended(i, "stop")
+                elif sample.finish_reason == "length" and len(s.tokens) < max_tokens:
                     ready.append(i)  # the same turn goes on
                 else:
                     turn_ended(i, sample.finish_reason)

@@ -178,3 +178,27 @@ def test_multi_turn_config_and_data_errors_say_what_to_do():
     wrong = load_config(["experiment=calc_tool", "learner.eval_on=learner"])
     with pytest.raises(ValueError, match="set learner.eval_on=actors"):
         build_dataset(wrong, "eval", tokenizer=None)
+
+
+def test_a_stop_string_split_between_two_engine_calls_ends_the_turn_where_it_completes():
+    """A turn generated in two calls (its episode had room left when the batch's budget ran out):
+    the engine checks only its own call's tokens, so ``boundary_stop`` finds a stop string across
+    the seam. The expected end is found here by decoding every prefix of the whole text."""
+    from transformers import AutoTokenizer
+
+    from actors.episodes import boundary_stop
+    from dapo.tiny import ensure_tiny_model
+
+    tok = AutoTokenizer.from_pretrained(ensure_tiny_model(ROOT / ".cache" / "dapo", progress=False))
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    head = tok("obs", add_special_tokens=False)["input_ids"]  # an earlier turn's tokens
+    ids = head + tok("7*8 <calc>7*8</calc> and then more text", add_special_tokens=False)["input_ids"]
+    start = len(head)
+    expected = next(k for k in range(start, len(ids) + 1) if "</calc>" in decode(ids[start:k]))
+    assert expected < len(ids) - 3
+    first = next(k for k in range(start, len(ids)) if "</" in decode(ids[start:k]))  # the stop string begins
+    for seam in range(first, expected + 1):  # every split of the stop string, and a call ending on it
+        assert boundary_stop(ids, start, seam, decode, ("</calc>",)) == expected, seam
+    assert boundary_stop(ids, start, start, decode, ("</calc>",)) is None  # a new turn: the engine saw it all
+    assert boundary_stop(ids, start, first, decode, ("</python>",)) is None
+    assert boundary_stop(ids, start, first, decode, ()) is None
