@@ -18,18 +18,13 @@ A worker is ``python -m actors.env_pool SCORE_FN`` and first replies ``["ok", "r
 from __future__ import annotations
 
 import logging
-import os
 import select
-import subprocess
-import sys
 import time
 from dataclasses import dataclass
 
-import msgpack
-
-from actors.verifier import FAILED_REWARD, PARENT_PID_ENV, START_TIMEOUT_S
+from actors.verifier import FAILED_REWARD, START_TIMEOUT_S
+from actors.worker import WorkerProcess, main, serve
 from dapo.envs import Episode, Step, load_env
-from dapo.launch import die_with_parent
 from dapo.rewards import SCORE_FN, load_reward_fn
 
 log = logging.getLogger(__name__)
@@ -49,41 +44,11 @@ class Answer:
     then ends: ``step.done`` with ``FAILED_REWARD``)."""
 
 
-class _Worker:
+class _Worker(WorkerProcess):
     def __init__(self, score_fn: str) -> None:
-        # A session of its own, killed with the actor (as the verifier worker: see actors/verifier.py).
-        self.proc = subprocess.Popen([sys.executable, "-m", "actors.env_pool", score_fn], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, bufsize=0, start_new_session=True,
-                                     env={**os.environ, PARENT_PID_ENV: str(os.getpid())})
-        self.unpacker = msgpack.Unpacker(raw=False)
+        super().__init__("actors.env_pool", score_fn)
         self.job: tuple[object, float] | None = None
         """(key, deadline) of the step it is answering."""
-        self.dead = False
-        """Its output ended: the worker exited."""
-
-    def send(self, request: list) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(msgpack.packb(request))
-
-    def read(self, timeout_s: float) -> list | None:
-        """The next reply, or None at the deadline or when the worker died."""
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + timeout_s
-        while True:
-            for reply in self.unpacker:
-                return reply
-            if not select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                return None
-            if not (data := os.read(self.proc.stdout.fileno(), 1 << 16)):
-                self.dead = True
-                return None
-            self.unpacker.feed(data)
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout):
-            stream.close()
 
 
 class EnvPool:
@@ -172,11 +137,10 @@ class EnvPool:
             busy = [w for w in self.workers if w.job is not None]
             now = time.monotonic()
             wait_s = max(0.0, min([until - now] + [w.job[1] - now for w in busy]))
-            assert all(w.proc.stdout is not None for w in busy)
-            ready = select.select([w.proc.stdout for w in busy], [], [], wait_s)[0] if busy else []
+            ready = select.select([w.stdout for w in busy], [], [], wait_s)[0] if busy else []
             for worker in busy:
                 key, deadline = worker.job
-                reply = worker.read(0.0) if worker.proc.stdout in ready else None
+                reply = worker.read(0.0) if worker.stdout in ready else None
                 if reply is None and not worker.dead and time.monotonic() < deadline:
                     continue  # not yet (or half a reply)
                 self.num_steps += 1
@@ -209,33 +173,28 @@ class EnvPool:
 
 
 def _worker_main(score_fn: str) -> None:
-    # The protocol owns the real stdout; anything the environment prints goes to stderr instead.
-    out = os.fdopen(os.dup(1), "wb", buffering=0)
-    os.dup2(2, 1)
-    fn = load_reward_fn(score_fn)
-    envs = {}
-    out.write(msgpack.packb(["ok", "ready"]))
-    unpacker = msgpack.Unpacker(raw=False)
-    while data := os.read(sys.stdin.fileno(), 1 << 16):
-        unpacker.feed(data)
-        for request in unpacker:
+    def setup():
+        fn = load_reward_fn(score_fn)
+        envs = {}
+
+        def handle(request: list) -> list:
             try:
                 spec = request[1]
                 if spec not in envs:
                     envs[spec] = load_env(spec, fn)
                 env = envs[spec]
                 if request[0] == "describe":
-                    reply = ["ok", list(env.stop_strings), int(env.max_turns)]
-                else:
-                    _, _, data_source, truth, turns, observations, ended_by, final = request
-                    step = env.step(Episode(data_source, truth, tuple(turns), tuple(observations), ended_by, final))
-                    reply = ["ok", step.observation, step.done, float(step.reward), step.acc, step.tool_call,
-                             step.tool_failed]
+                    return ["ok", list(env.stop_strings), int(env.max_turns)]
+                _, _, data_source, truth, turns, observations, ended_by, final = request
+                step = env.step(Episode(data_source, truth, tuple(turns), tuple(observations), ended_by, final))
+                return ["ok", step.observation, step.done, float(step.reward), step.acc, step.tool_call,
+                        step.tool_failed]
             except Exception as exc:  # count-and-score at the service boundary
-                reply = ["error", f"{type(exc).__name__}: {exc}"[:500]]
-            out.write(msgpack.packb(reply))
+                return ["error", f"{type(exc).__name__}: {exc}"[:500]]
+        return handle
+
+    serve(setup, ["ok", "ready"])
 
 
 if __name__ == "__main__":
-    die_with_parent(int(os.environ[PARENT_PID_ENV]) if PARENT_PID_ENV in os.environ else None)
-    _worker_main(sys.argv[1] if len(sys.argv) > 1 else SCORE_FN)
+    main(_worker_main, SCORE_FN)

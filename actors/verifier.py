@@ -20,17 +20,13 @@ first replies ``["ok", 0, false, "ready"]`` once the module imported.
 from __future__ import annotations
 
 import logging
-import os
-import select
-import subprocess
 import sys
-import time
 from collections import deque
 from dataclasses import dataclass
 
 import msgpack
 
-from dapo.launch import die_with_parent
+from actors.worker import WorkerProcess, main, serve
 from dapo.rewards import SCORE_FN, UnknownDataSource, load_reward_fn
 
 log = logging.getLogger(__name__)
@@ -41,8 +37,6 @@ MAX_IN_FLIGHT_BYTES = 32 << 10
 """Requests written ahead of their replies, in bytes: half a Linux pipe's 64 KiB capacity."""
 START_TIMEOUT_S = 60.0
 """Deadline for the child to import the verifier module (first start pays the imports)."""
-PARENT_PID_ENV = "DAPO_VERIFIER_PARENT_PID"
-"""The actor's pid, for the worker to check that its parent-death signal was not set too late."""
 
 
 @dataclass
@@ -78,19 +72,12 @@ class Verifier:
         self.num_errors = 0
         """Calls that raised or timed out (each scored FAILED_REWARD)."""
         self.num_timeouts = 0
-        self._proc: subprocess.Popen | None = None
-        self._unpacker = msgpack.Unpacker(raw=False)
+        self._worker: WorkerProcess | None = None
 
     # -- worker lifecycle ---------------------------------------------------------------------
     def _start(self) -> None:
-        # A session of its own: a Ctrl-C in a terminal reaches the actor's whole process group, and
-        # must neither kill a worker (mid-start or mid-verdict) nor make it print a traceback. The
-        # actor owns its life: stdin EOF, SIGKILL, or the actor's death (PR_SET_PDEATHSIG).
-        self._proc = subprocess.Popen([sys.executable, "-m", "actors.verifier", self.score_fn],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
-                                      env={**os.environ, PARENT_PID_ENV: str(os.getpid())}, start_new_session=True)
-        self._unpacker = msgpack.Unpacker(raw=False)
-        reply = self._read(START_TIMEOUT_S)
+        self._worker = WorkerProcess("actors.verifier", self.score_fn)
+        reply = self._worker.read(START_TIMEOUT_S)
         if reply is None or reply[0] != "ok" or reply[3] != "ready":
             self.close()
             raise VerifierError(f"verifier worker for {self.score_fn!r} did not start within "
@@ -99,28 +86,9 @@ class Verifier:
 
     def close(self) -> None:
         """Kill the worker, if any; the next call starts a fresh one."""
-        if self._proc is not None:
-            self._proc.kill()
-            self._proc.wait()
-            for stream in (self._proc.stdin, self._proc.stdout):
-                stream.close()
-            self._proc = None
-
-    def _read(self, timeout_s: float) -> list | None:
-        """Next reply from the child, or None when the deadline passes or the child died."""
-        assert self._proc is not None and self._proc.stdout is not None
-        deadline = time.monotonic() + timeout_s
-        fd = self._proc.stdout.fileno()
-        while True:
-            for reply in self._unpacker:
-                return reply
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                return None
-            data = os.read(fd, 1 << 16)
-            if not data:  # EOF: the child died
-                return None
-            self._unpacker.feed(data)
+        if self._worker is not None:
+            self._worker.kill()
+            self._worker = None
 
     # -- scoring ------------------------------------------------------------------------------
     def score(self, data_source: str, response: str, ground_truth: str) -> Verdict:
@@ -138,9 +106,9 @@ class Verifier:
 
     def _score_until_failure(self, items: list[tuple[str, str, str]]) -> list[Verdict]:
         """Score ``items`` in order up to and including the first one the worker does not answer."""
-        if self._proc is None:
+        if self._worker is None:
             self._start()
-        assert self._proc is not None and self._proc.stdin is not None
+        assert self._worker is not None
         packed = [msgpack.packb(list(item)) for item in items]
         out: list[Verdict] = []
         sent, in_flight, in_flight_bytes = 0, deque(), 0
@@ -149,14 +117,14 @@ class Verifier:
             # blocks, even when the worker hangs (the deadline below is the only wait).
             while sent < len(items) and (not in_flight or in_flight_bytes + len(packed[sent]) <= MAX_IN_FLIGHT_BYTES):
                 try:
-                    self._proc.stdin.write(packed[sent])
+                    self._worker.write(packed[sent])
                 except OSError:  # the worker died; reading its EOF below scores the item
                     break
                 in_flight.append(len(packed[sent]))
                 in_flight_bytes += len(packed[sent])
                 sent += 1
             self.num_calls += 1
-            reply = self._read(self.timeout_s)
+            reply = self._worker.read(self.timeout_s)
             data_source, response, _ = items[len(out)]
             if reply is None:
                 # Hung (or died): its state is unknown, so replace the worker.
@@ -186,31 +154,28 @@ class Verifier:
 
 
 def _worker_main(score_fn: str) -> None:
-    # The protocol owns the real stdout; anything the verifier prints goes to stderr instead.
-    out = os.fdopen(os.dup(1), "wb", buffering=0)
-    os.dup2(2, 1)
-    fn = load_reward_fn(score_fn)  # the resolution held-out evaluation uses too
-    # dapo.rewards.score catches its verifiers' exceptions itself (scores -1, counts them in
-    # this process); read its counter so that those errors are counted by the actor too.
-    error_count = getattr(sys.modules.get(getattr(fn, "__module__", "")), "verifier_error_count", lambda: 0)
-    out.write(msgpack.packb(["ok", 0, False, "ready"]))
-    unpacker = msgpack.Unpacker(raw=False)
-    while data := os.read(sys.stdin.fileno(), 1 << 16):
-        unpacker.feed(data)
-        for data_source, response, ground_truth in unpacker:
+    def setup():
+        fn = load_reward_fn(score_fn)  # the resolution held-out evaluation uses too
+        # dapo.rewards.score catches its verifiers' exceptions itself (scores -1, counts them in
+        # this process); read its counter so that those errors are counted by the actor too.
+        error_count = getattr(sys.modules.get(getattr(fn, "__module__", "")), "verifier_error_count", lambda: 0)
+
+        def handle(request: list) -> list:
+            data_source, response, ground_truth = request
             try:
                 errors_before = error_count()
                 reward, acc, pred = fn(data_source, response, ground_truth)
-                reply = ["ok", float(reward), bool(acc), "" if pred is None else str(pred)]
                 if error_count() > errors_before:
-                    reply = ["error", FAILED_REWARD, False, f"{score_fn} caught a verifier exception"]
+                    return ["error", FAILED_REWARD, False, f"{score_fn} caught a verifier exception"]
+                return ["ok", float(reward), bool(acc), "" if pred is None else str(pred)]
             except UnknownDataSource as exc:  # a config error, not a bad response: the parent raises it
-                reply = ["unknown_source", FAILED_REWARD, False, str(exc)[:4000]]
+                return ["unknown_source", FAILED_REWARD, False, str(exc)[:4000]]
             except Exception as exc:  # count-and-score at the service boundary
-                reply = ["error", FAILED_REWARD, False, f"{type(exc).__name__}: {exc}"[:500]]
-            out.write(msgpack.packb(reply))
+                return ["error", FAILED_REWARD, False, f"{type(exc).__name__}: {exc}"[:500]]
+        return handle
+
+    serve(setup, ["ok", 0, False, "ready"])
 
 
 if __name__ == "__main__":
-    die_with_parent(int(os.environ[PARENT_PID_ENV]) if PARENT_PID_ENV in os.environ else None)
-    _worker_main(sys.argv[1] if len(sys.argv) > 1 else SCORE_FN)
+    main(_worker_main, SCORE_FN)

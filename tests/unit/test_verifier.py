@@ -65,25 +65,25 @@ def test_scores_come_back_in_order(verifier):
 @pytest.mark.timeout(60)
 def test_raising_verifier_scores_failed_and_keeps_the_worker(verifier):
     assert verifier.score("t", "5", "5").acc
-    pid = verifier._proc.pid
+    pid = verifier._worker.proc.pid
     bad = verifier.score("t", "raise", "5")
     assert (bad.reward, bad.acc) == (FAILED_REWARD, False)
     assert "ZeroDivisionError: bad parse" in bad.error
     assert verifier.num_errors == 1 and verifier.num_timeouts == 0
-    assert verifier.score("t", "5", "5").acc and verifier._proc.pid == pid
+    assert verifier.score("t", "5", "5").acc and verifier._worker.proc.pid == pid
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("poison", ["hang", "die"])
 def test_hanging_or_dying_verifier_is_replaced(verifier, poison):
     assert verifier.score("t", "7", "7").acc
-    old_pid = verifier._proc.pid
+    old_pid = verifier._worker.proc.pid
     bad = verifier.score("t", poison, "7")
     assert (bad.reward, bad.acc, bad.error) == (FAILED_REWARD, False, "timeout")
     assert verifier.num_errors == 1 and verifier.num_timeouts == 1
     assert not _alive(old_pid)  # killed and reaped, not leaked
     good = verifier.score("t", "7", "7")  # a fresh worker answers the next call
-    assert good.acc and verifier._proc.pid != old_pid
+    assert good.acc and verifier._worker.proc.pid != old_pid
 
 
 @pytest.mark.timeout(60)
@@ -102,7 +102,7 @@ def test_unimportable_score_fn_is_a_clear_error():
     v = Verifier(timeout_s=1.0, score_fn="no_such_module_xyz:score")
     with pytest.raises(VerifierError, match="no_such_module_xyz"):
         v.score("t", "1", "1")
-    assert v._proc is None
+    assert v._worker is None
 
 
 def test_timeout_must_be_positive():
@@ -141,7 +141,7 @@ def test_unknown_data_source_is_raised_not_scored():
         assert isinstance(err.value, ValueError)
         msg = str(err.value)
         assert "'gsm8k'" in msg and "math_dapo" in msg and "aime" in msg and "actor.reward_fn=dapo.rewards:score" in msg
-        assert v.num_errors == 0 and v._proc is None
+        assert v.num_errors == 0 and v._worker is None
         assert [g.reward for g in v.score_many([ok, ok])] == [1.0, 1.0]
     finally:
         v.close()
