@@ -10,8 +10,9 @@
 so a slow tool delays only its own episode: the others go on to their next turns. The model's
 tokens are kept as sampled (never re-tokenised); an observation is tokenised once, alone, and
 appended. A turn ends at EOS, at an environment's stop string (``stop_when``: the engine checks
-the decoded tail; ``boundary_stop`` one split between two calls of the same turn) or at the token cap: ``max_tokens`` counts model and observation tokens together
-(as verl's multi-turn response length), ``max_turns`` the model's turns. Weight updates in flight
+the decoded tail; ``boundary_stop`` one split between two calls of the same turn) or at the token
+cap: ``max_tokens`` counts model and observation tokens together (as verl's multi-turn response
+length), ``max_turns`` the model's turns. Weight updates in flight
 (``between_chunks``) happen inside a turn, as for single-turn samples, and between turns; each
 token keeps the version that sampled it (an observation token the version of the token before it).
 """

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
@@ -92,12 +93,17 @@ def time_to_target(records: Sequence[Record], key: str, target: float) -> tuple[
 SEED_SUFFIX = re.compile(r"-seed\d+$")
 
 
+def setting_of(label: str) -> str:
+    """A run label without its ``-seedN`` suffix (``dapo sweep``'s labels): the setting it ran."""
+    return SEED_SUFFIX.sub("", label)
+
+
 def by_setting(runs: Mapping[str, Sequence[Record]]) -> dict[str, list[Sequence[Record]]]:
     """Runs grouped by setting: labels that differ only in their ``-seedN`` suffix (``dapo sweep``'s
     labels) are one setting, in first-seen order."""
     out: dict[str, list[Sequence[Record]]] = {}
     for label, recs in runs.items():
-        out.setdefault(SEED_SUFFIX.sub("", label), []).append(recs)
+        out.setdefault(setting_of(label), []).append(recs)
     return out
 
 
@@ -143,12 +149,9 @@ def plot_sweep(runs: Mapping[str, Sequence[Record]], out_png: str | Path, key: s
     # ``queue/staleness/<versions>`` in each run's last record, summed over a setting's seeds.
     width = 0.8 / max(len(labels), 1)
     for i, label in enumerate(labels):
-        hist: dict[int, float] = {}
-        for recs in settings[label]:
-            last = recs[-1] if recs else {}
-            for k, v in last.items():
-                if k.startswith(STALENESS_PREFIX):
-                    hist[int(k.rsplit("/", 1)[1])] = hist.get(int(k.rsplit("/", 1)[1]), 0.0) + float(v)
+        hist: Counter[int] = Counter()
+        for last in (recs[-1] for recs in settings[label] if recs):
+            hist.update({int(k.rsplit("/", 1)[1]): float(v) for k, v in last.items() if k.startswith(STALENESS_PREFIX)})
         if hist:
             total = sum(hist.values()) or 1.0
             ks = sorted(hist)

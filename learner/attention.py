@@ -37,10 +37,8 @@ class SpanPlan:
         self.spans = spans
         prefixes = [(s[0], s[1]) for s in spans]
         responses = [(g, a, b) for g, s in enumerate(spans) for a, b in zip(s[1:-1], s[2:])]
-        self.num_prefixes, self.num_responses = len(prefixes), len(responses)
-        self.prefix_len = max(e - b for b, e in prefixes)
-        self.response_len = max((b - a for _, a, b in responses), default=0)
-        lp, ln = self.prefix_len, self.response_len
+        lp = max(e - b for b, e in prefixes)  # the padded lengths
+        ln = max((b - a for _, a, b in responses), default=0)
         exact = sum((e - b) ** 2 for b, e in prefixes) + sum((b - a) * (spans[g][1] - spans[g][0] + b - a)
                                                             for g, a, b in responses)
         padded = len(prefixes) * lp * lp + len(responses) * ln * (lp + ln)
@@ -69,6 +67,8 @@ class SpanPlan:
             valid = ar_r[None] < rlen[:, None]
             out_index[self.response_index[valid]] = (len(prefixes) * lp + torch.arange(len(responses) * ln)
                                                      ).view(len(responses), ln)[valid]
+        else:
+            self.response_index = self.response_keys = self.response_mask = None
         self.out_index = out_index
         """Per row token: its place in the prefixes' outputs, then the responses' (flattened)."""
         self._on: dict[torch.device, tuple[torch.Tensor, ...]] = {}
@@ -76,8 +76,7 @@ class SpanPlan:
     def on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """(prefix index, response index, response keys, response mask, out index) on ``device``."""
         if device not in self._on:
-            tensors = (self.prefix_index, *((self.response_index, self.response_keys, self.response_mask)
-                                            if self.num_responses else (None, None, None)), self.out_index)
+            tensors = (self.prefix_index, self.response_index, self.response_keys, self.response_mask, self.out_index)
             self._on[device] = tuple(t if t is None else t.to(device) for t in tensors)
         return self._on[device]
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from dapo.launch import resolve_config, signal_on_parent_death, spawn
-from dapo.plots import SEED_SUFFIX, mean_of, plot_sweep, read_metrics, series, time_to_target
+from dapo.plots import mean_of, plot_sweep, read_metrics, series, setting_of, time_to_target
 
 
 def run_point(label: str, overrides: list[str]) -> int:
@@ -65,7 +65,7 @@ def summarize_settings(rows: list[dict]) -> list[dict]:
     to it over those that did."""
     groups: dict[str, list[dict]] = {}
     for r in rows:
-        groups.setdefault(SEED_SUFFIX.sub("", r["run"]), []).append(r)
+        groups.setdefault(setting_of(r["run"]), []).append(r)
 
     def mean(rs: list[dict], key: str) -> float:
         return sum(r[key] for r in rs) / len(rs) if rs else math.nan
