@@ -1,7 +1,7 @@
 """A real-model task: small arithmetic asked in words (``data.train_path=builtin:arith``).
 
 For a small instruct model such as SmolLM2-135M-Instruct (``experiment=smollm2_arith``). The user
-message is a question, e.g. ``"What is 7 times 5?"``, ``"Which number is smaller, 42 or 17?"`` or
+message is a question, e.g. ``"What is 7 times 5?"``, ``"Multiply 42 by 10."`` or
 ``"Sam has 4 apples and gets 3 more. How many apples does Sam have now?"``, after two worked
 examples given as earlier chat turns (``EXAMPLES``), all rendered with the model's own chat
 template (``data.prompt_template=chat``). The model answers in free text, so the rows are scored
@@ -94,7 +94,14 @@ def _word_gain(rng: random.Random) -> Problem:
 KINDS: dict[str, Callable[[random.Random], Problem]] = {
     "sum": _sum, "difference": _difference, "product": _product, "times_ten": _times_ten, "compare": _compare,
     "word_gain": _word_gain}
-"""Kind -> generator of one problem; a problem's kind is drawn uniformly."""
+"""Kind -> generator of one problem; a problem's kind is drawn uniformly from those asked for."""
+DEFAULT_KINDS = ("sum", "difference", "product", "times_ten", "word_gain")
+"""The kinds of ``builtin:arith``: every one asks for a number the question does not contain.
+``compare`` is left out: its answer is one of the question's two numbers, so a policy that copies
+the first one scores 0.5 without comparing, and RL finds that policy. SmolLM2 trained on a mix with
+it answered every held-out comparison with the first number (0.43-0.50, from a base of 0.29) while
+solving the other kinds (0.93-1.0): held-out accuracy stopped at ~0.82 measuring a shortcut, not
+arithmetic (bench/RESULTS.md "A real model")."""
 
 
 def messages(question: str) -> list[dict[str, str]]:
@@ -110,7 +117,7 @@ def split_of(fact: str) -> str:
     return "eval" if int.from_bytes(digest, "little") % EVAL_HASH_MODULUS == 0 else "train"
 
 
-def sample_problems(split: str, n: int, seed: int, kinds: tuple[str, ...] = tuple(KINDS)) -> list[Problem]:
+def sample_problems(split: str, n: int, seed: int, kinds: tuple[str, ...] = DEFAULT_KINDS) -> list[Problem]:
     """``n`` distinct problems of ``split``, of kinds drawn uniformly from ``kinds``, in a fixed order
     for ``seed``. A kind whose questions run out (a small one) leaves its draws to the others."""
     if split not in SPLITS:

@@ -49,6 +49,20 @@ def test_every_answer_is_right_and_scored_by_the_numeric_verifier(split, n):
     assert len(kinds) >= 10  # every kind and most phrasings occur
 
 
+@pytest.mark.parametrize("split, n", [("train", 1024), ("eval", 128)])
+def test_copying_a_number_of_the_question_scores_almost_nothing(split, n):
+    # The task's design rule (arith.DEFAULT_KINDS): the answer is computed, not one of the
+    # question's numbers, so RL cannot settle on copying one (as it did on "which is bigger").
+    rows = arith.make_rows(split, n, seed=0)
+    for position in (0, 1):
+        copied = [rewards.score(r["data_source"], re.findall(r"\d+", r["prompt"][-1]["content"])[position],
+                                r["reward_model"]["ground_truth"])[0] for r in rows]
+        assert sum(reward == 1.0 for reward in copied) <= 0.02 * n, position
+    # The kind left out is the one that breaks it: a positional guess is right 1 time in 2.
+    compare = arith.sample_problems(split, 64, seed=0, kinds=("compare",))
+    assert 16 <= sum(int(re.findall(r"\d+", q)[0]) == answer for q, answer, _ in compare) <= 48
+
+
 def test_splits_share_no_fact_and_skip_the_examples_facts():
     train = arith.sample_problems("train", 1024, seed=0)
     held_out = arith.sample_problems("eval", 128, seed=0)
