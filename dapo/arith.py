@@ -12,9 +12,9 @@ Why this mix: RL learns only from groups of mixed accuracy, so the base model's 
 rate at temperature 1 should lie between 0.2 and 0.8 on most prompts. SmolLM2-135M-Instruct asked
 bare questions rambles past a 48-token cap and gets one-digit sums right in 16-19 % of samples;
 with the examples answered as equations ("3 + 4 = 7") it writes "a op b = c" and gets sums right
-~65 % of the time, products ~60 %, comparisons and word problems ~30 %. On the 128 held-out
-prompts the pass rate is 0.4 on average and in 0.25-0.75 for 68 % of prompts (bench/RESULTS.md
-"SmolLM2 arithmetic task", which also lists the kinds dropped for being too hard).
+~65 % of the time, products ~60 %, word problems ~30 %. On the 128 held-out prompts the pass rate
+is 0.44 on average and in 0.25-0.75 for 67 % of prompts (bench/RESULTS.md "SmolLM2 arithmetic
+task", which also lists the kinds dropped for being too hard or, as comparisons, for a shortcut).
 
 Train and held-out problems are disjoint: a problem's split is a fixed hash of its arithmetic fact
 (``split_of``: "What is 4 + 3?", "Add 3 and 4." and a word problem adding 3 and 4 are one fact),
