@@ -213,15 +213,17 @@ class ActorEvaluator:
         self.coordinator.add_eval_job(version, self.prompts)
         self._open.add(version)
 
-    def result(self, version: int, *, block: bool = False) -> dict[str, float] | None:
+    def result(self, version: int, *, block: bool = False,
+               abandon: Callable[[], bool] = lambda: False) -> dict[str, float] | None:
         """The metrics of a submitted version: None while it runs (``block``: wait until it is
-        closed; the learner blocks at the end of the run only). Raises EvaluationFailed when ``block``
+        closed, or until ``abandon()``, asked every POLL_S, is true; the learner blocks at the end of
+        the run only). Raises EvaluationFailed when ``block``
         finds a job timed out with nothing scored: actors were there and delivered nothing. A job
         stranded because no actor is left is logged only (the launcher stops actors first on Ctrl-C)."""
         if version in self._results or version not in self._open:
             return self._results.pop(version, None)
         while (closed := self.coordinator.eval_result(version, final=block)) is None:
-            if not block:
+            if not block or abandon():
                 return None
             self.coordinator.wait_eval_complete(version, POLL_S)
         self._open.discard(version)

@@ -25,7 +25,7 @@ import signal
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -37,6 +37,8 @@ from dapo.rewards import ScoreFn, load_reward_fn
 PROCESS_NAME = "dapo-eval"
 """The evaluation process's name in ps/psutil."""
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+WAIT_SLICE_S = 1.0
+"""How often a blocking ``result`` asks whether to give up the wait."""
 
 
 class EvaluationFailed(RuntimeError):
@@ -87,10 +89,18 @@ class Evaluator:
             raise self._died(version) from None
         self._pending = version
 
-    def result(self, version: int, *, block: bool = False) -> dict[str, float] | None:
-        """The metrics of a submitted version: None while it runs (``block``: wait for it). Raises
-        ``EvaluationFailed`` when the evaluation did."""
-        if self._pending is not None and (block or self._conn.poll()):
+    def result(self, version: int, *, block: bool = False,
+               abandon: Callable[[], bool] = lambda: False) -> dict[str, float] | None:
+        """The metrics of a submitted version: None while it runs (``block``: wait for it, unless
+        ``abandon()``, asked every WAIT_SLICE_S, turns true first: a SIGTERM must not wait out an
+        evaluation of a real model, minutes of HF generate). Raises ``EvaluationFailed`` when the
+        evaluation did."""
+        if self._pending is not None and block:
+            while not self._conn.poll(WAIT_SLICE_S):  # poll is also true at EOF: a dead child
+                if abandon():
+                    return None
+            self._receive()
+        elif self._pending is not None and self._conn.poll():
             self._receive()
         return self._results.pop(version, None)
 

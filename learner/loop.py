@@ -107,7 +107,7 @@ def run(cfg: DapoConfig, trainer: Trainer, services: Rank0Services | None, *, st
         save_checkpoint(cfg, trainer, services, step, model_path)
     if services and failure is None:
         try:
-            flush_records(services, block=True)
+            flush_records(services, block=True, stop=stop)
         except Exception as exc:  # noqa: BLE001 - as above
             failure = exc
     broadcast_control(STOP, failure, trainer.device)  # the run's outcome, on every rank
@@ -234,17 +234,22 @@ def hold(services: Rank0Services, step: int, values: dict[str, float], *, awaits
     services.held_records.append((step, {**values, **services.metrics.stamp()}, awaits_eval))
 
 
-def flush_records(services: Rank0Services, *, block: bool = False) -> None:
+def flush_records(services: Rank0Services, *, block: bool = False, stop: StopFlag | None = None) -> None:
     """Log held records in order, each one awaiting an evaluation once its result is in (``block``:
-    wait for it). A record is never logged before an earlier one, so metrics.jsonl stays in step
-    order with the evaluation inside the record of the version it evaluated."""
+    wait for it; a stop request (``stop``) during that wait logs the rest without their
+    evaluations instead). A record is never logged before an earlier one, so metrics.jsonl stays
+    in step order with the evaluation inside the record of the version it evaluated."""
+    stopping = lambda: bool(stop and stop.reason)  # noqa: E731
     while services.held_records:
         step, values, awaits_eval = services.held_records[0]
         if awaits_eval:
-            result = services.evaluator.result(step, block=block)
-            if result is None:
+            result = services.evaluator.result(step, block=block, abandon=stopping)
+            if result is None and not (block and stopping()):
                 return
-            values = {**values, **result}
+            if result is None:
+                print(f"learner: {stop.reason} while version {step} was being evaluated: its record is logged "
+                      "without the evaluation", flush=True)
+            values = {**values, **(result or {})}
         services.metrics.log(step, values)
         services.held_records.pop(0)
 

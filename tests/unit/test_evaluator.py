@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +20,10 @@ from dapo.config import load_config
 from dapo.data import build_dataset
 from dapo.evaluation import sampled_accuracy
 from dapo.rewards import score
+from learner import loop
 from learner.evaluate import EvaluationFailed, Evaluator
+from learner.metrics import MetricsLogger
+from learner.rank0 import Rank0Services
 
 REWARDS_DIR = Path(__file__).resolve().parents[1] / "integration"  # actor_rewards.py
 
@@ -129,6 +133,33 @@ def test_a_hanging_reward_fn_costs_its_deadline_per_response_not_the_run(setup, 
     got = _evaluate_once(load_config(["data.builtin_num_eval_prompts=6", "actor.reward_fn=actor_rewards:hang",
                                       "actor.verifier_timeout_s=0.05"]), path, tokenizer, model)
     assert (got["eval/accuracy"], got["eval/num_prompts"], got["eval/verifier_errors"]) == (0.0, 6, 6)
+
+
+def test_a_stop_during_the_last_evaluation_logs_every_record_without_waiting_it_out(setup, monkeypatch, tmp_path):
+    # A SIGTERM at the end of a run must not sit through an evaluation (minutes on a real model; the
+    # launcher SIGKILLs after 30 s and the held records were lost): here one that takes 60 s (4
+    # responses, each scored by a reward_fn that hangs to its 15 s deadline).
+    cfg, path, tokenizer, model, _ = setup
+    monkeypatch.syspath_prepend(str(REWARDS_DIR))
+    evaluator = Evaluator(load_config(["data.builtin_num_eval_prompts=4", "actor.reward_fn=actor_rewards:hang",
+                                       "actor.verifier_timeout_s=15"]), path, tokenizer)
+    asked = []
+    metrics = MetricsLogger(tmp_path)
+    try:
+        evaluator.submit({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}, 2)
+        got = evaluator.result(2, block=True, abandon=lambda: asked.append(1) or len(asked) >= 2)
+        assert got is None and len(asked) == 2  # gave up at the second ask, the evaluation still running
+        assert evaluator._proc.is_alive()
+        # The loop's last flush: step 2 awaits that evaluation, step 3 comes after it.
+        services = Rank0Services(None, None, None, metrics, tmp_path / "audit.jsonl", evaluator=evaluator,
+                                 held_records=[(2, {"train/loss": 0.5}, True), (3, {"train/loss": 0.25}, False)])
+        loop.flush_records(services, block=True, stop=SimpleNamespace(reason="SIGTERM"))
+        assert services.held_records == [] and evaluator._proc.is_alive()
+    finally:
+        metrics.close()
+        assert evaluator.close(timeout_s=2.0) == "evaluation process killed after 2 s"
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["train/loss"], "eval/accuracy" in r) for r in records] == [(2, 0.5, False), (3, 0.25, False)]
 
 
 @pytest.mark.parametrize("reward_fn, says", [
