@@ -43,8 +43,9 @@ UPDATE_MODES = {"between_batches": [],
                 # An actor learns of a new version from its heartbeats and loads it at the next
                 # chunk boundary; a generate call here takes ~0.2 s (~36 tokens). With 0.5 s
                 # heartbeats and 8-token chunks 1 of the 96 trained groups held two versions (one
-                # run); 0.05 s and 8 tokens: 4-25 (3 runs); these: 12-24 (3 runs).
-                "inflight": ["actor.heartbeat_interval_s=0.05", "actor.inflight_chunk_tokens=2"]}
+                # run); 0.05 s and 8 tokens: 4-25 (3 runs); 0.05 s and 2 tokens: 12-24 (3 runs), but
+                # 0 once on a faster machine (2026-12-03 CI); 0.01 s and 1 token: see the commit.
+                "inflight": ["actor.heartbeat_interval_s=0.01", "actor.inflight_chunk_tokens=1"]}
 
 
 @pytest.fixture(scope="module")
