@@ -45,9 +45,11 @@ class Cluster:
 
     def __init__(self, tmp: Path, model_path: str, **overrides: object) -> None:
         self.tmp = tmp
-        self.grpc_port, zmq_port, side_channel_port, collective_port = free_ports(4)
+        self.grpc_port, side_channel_port, collective_port = free_ports(3)
+        # The replay port is the learner's to pick (0: at bind; actors learn it when they register):
+        # a port picked here and bound later was once taken meanwhile by a vLLM actor's own socket.
         settings = {"model.path": model_path, "transport.grpc_port": self.grpc_port,
-                    "transport.zmq_port": zmq_port, "weights.side_channel_port": side_channel_port,
+                    "transport.zmq_port": 0, "weights.side_channel_port": side_channel_port,
                     "weights.collective_port": collective_port,
                     "transport.auth_token": TOKEN, "transport.rpc_timeout_s": 3,
                     "transport.heartbeat_timeout_s": 60, "algorithm.num_prompts_per_step": 2,
