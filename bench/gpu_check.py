@@ -3,6 +3,7 @@ of a 0.5B-parameter model. One process, one rank (NCCL, world size 1); prints on
 
     .venv/bin/python bench/gpu_check.py                      # on a CUDA machine (needs ~10 GB)
     .venv/bin/python bench/gpu_check.py --device cpu --small # the same code paths on CPU, tiny sizes
+    bash bench/gpu_check.sh 440                              # on the device machine: a process per check
 
 Checks:
   exactness  fp32 on the device: loss and gradients of one mini-batch, unpacked reference vs packed
@@ -455,6 +456,8 @@ def main() -> None:
     ap.add_argument("--model", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:  # set_device and NCCL need an index
+        device = torch.device("cuda", torch.cuda.current_device())
     if args.ipc_actor:
         return ipc_actor_main(args.ipc_actor, args.model, device)
     backend = "nccl" if device.type == "cuda" else "gloo"
