@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 
 import psutil
@@ -25,10 +24,12 @@ def soak_variant(*values, why: str):
 
 
 def free_ports(n: int) -> list[int]:
-    """n distinct free loopback ports (bound together, then released: a small race, fine in tests)."""
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
+    """n distinct free loopback ports, bound together, then released: below the kernel's ephemeral
+    range (``dapo.launch.reserve_port``), so no other socket of the test's processes can take one
+    before the service it is for binds it."""
+    from dapo.launch import reserve_port
+
+    socks = [reserve_port("127.0.0.1") for _ in range(n)]
     ports = [s.getsockname()[1] for s in socks]
     for s in socks:
         s.close()

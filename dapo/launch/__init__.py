@@ -73,8 +73,38 @@ def kill_tree(pid: int) -> int:
     return len(procs) - 1
 
 
-def reserve_port(host: str) -> socket.socket:
-    """A TCP socket bound to a free port on ``host``; closing it frees the port for the service."""
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+PICKED_PORTS_SPAN = 8192
+"""How many ports below the kernel's ephemeral range ``reserve_port`` picks from."""
+
+
+def picked_port_range() -> range:
+    """The ports ``reserve_port`` picks from: the ``PICKED_PORTS_SPAN`` just below the kernel's ephemeral
+    range (32768-60999 by default: 24576-32767). The kernel hands out ports for ``bind(0)`` and outgoing
+    connections only from its ephemeral range, so a port picked below it cannot be taken by some other
+    socket between the pick and the service's bind (CI saw a vLLM actor's own socket take a port picked
+    by ``bind(0)`` before the learner bound it); only a process binding that very number could.
+    Empty where the ephemeral range starts too low to leave room above the privileged ports."""
+    try:
+        low = int(EPHEMERAL_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default; other systems differ, and a failed pick falls back to bind(0)
+    return range(max(1024, low - PICKED_PORTS_SPAN), low) if low - PICKED_PORTS_SPAN >= 1024 else range(0)
+
+
+def reserve_port(host: str, tries: int = 64) -> socket.socket:
+    """A TCP socket bound to a free port on ``host`` (closing it frees the port for the service): a
+    random one of ``picked_port_range()``, else, when ``tries`` of those are taken, any free port."""
+    import random
+
+    ports = picked_port_range()
+    for port in random.sample(ports, min(tries, len(ports))):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind((host, port))
+            return sock
+        except OSError:
+            sock.close()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind((host, 0))
     return sock

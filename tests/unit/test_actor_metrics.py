@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import urllib.request
 
 import pytest
@@ -41,9 +40,9 @@ def test_prometheus_names():
 
 @pytest.mark.timeout(30)
 def test_prometheus_endpoint_serves_the_snapshot():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from tests.procs import free_ports
+
+    port, = free_ports(1)  # the endpoint binds it right after
     m = ActorMetrics()
     m.add("verifier_errors", 2)
     stop = serve_prometheus(m, port)

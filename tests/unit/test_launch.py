@@ -170,3 +170,36 @@ def test_the_start_up_line_ignores_what_an_earlier_run_in_the_same_folder_logged
     line = run.startup_breakdown(tmp_path, records, started, started + 0.25)
     assert line == ("dapo run: start-up: children started 0.2 s, learner serving version 0 2.5 s, first actor "
                     "registered 3.2 s, first lease generated 3.8 s, first step trained 4.5 s (after `dapo run` started)")
+
+
+def test_ports_are_picked_below_the_kernels_ephemeral_range_and_fall_back_to_any(tmp_path, monkeypatch):
+    """A picked port lies in the span just below ip_local_port_range, where no bind(0) or outgoing
+    connection of another process can take it before the service binds it; a machine whose ephemeral
+    range starts too low (no room above 1024) gets any free port, and so does one whose span is taken."""
+    import socket
+
+    import dapo.launch as launch
+
+    ranges = tmp_path / "ip_local_port_range"
+    ranges.write_text("40000\t60999\n")
+    monkeypatch.setattr(launch, "EPHEMERAL_RANGE_FILE", ranges)
+    assert launch.picked_port_range() == range(40000 - launch.PICKED_PORTS_SPAN, 40000)
+    held = [launch.reserve_port("127.0.0.1") for _ in range(20)]
+    ports = [s.getsockname()[1] for s in held]
+    assert all(40000 - launch.PICKED_PORTS_SPAN <= p < 40000 for p in ports) and len(set(ports)) == 20
+    # A service binds a released port by number (no SO_REUSEADDR needed).
+    held[0].close()
+    with socket.create_server(("127.0.0.1", ports[0]), reuse_port=False):
+        pass
+    # Every port of the span taken (a span of one, held here): the fallback is the kernel's pick.
+    monkeypatch.setattr(launch, "picked_port_range", lambda: range(ports[1], ports[1] + 1))
+    with launch.reserve_port("127.0.0.1") as sock:
+        assert sock.getsockname()[1] not in (0, ports[1])
+    monkeypatch.undo()
+    monkeypatch.setattr(launch, "EPHEMERAL_RANGE_FILE", ranges)
+    ranges.write_text("2048 60999\n")  # no room below it above the privileged ports
+    assert launch.picked_port_range() == range(0)
+    ranges.write_text("garbage\n")  # unreadable: Linux's default assumed
+    assert launch.picked_port_range() == range(32768 - launch.PICKED_PORTS_SPAN, 32768)
+    for s in held[1:]:
+        s.close()

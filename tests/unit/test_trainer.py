@@ -178,15 +178,14 @@ def test_loss_and_grads_equal_across_ranks_microbatches_and_packings(tmp_path):
 
 
 def test_metrics_logger_writes_jsonl_tensorboard_and_serves_prometheus(tmp_path):
-    import socket
     import urllib.request
 
     from dapo.plots import read_metrics
     from learner.metrics import MetricsLogger
 
-    with socket.socket() as s:  # a free port for the endpoint (the logger binds it right after)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from tests.procs import free_ports
+
+    port, = free_ports(1)  # the endpoint binds it right after
     m = MetricsLogger(tmp_path, prometheus_port=port)
     m.log(1, {"train/loss": 0.5, "time/train_s": 2.0})
     m.log(2, {"train/loss": 0.25, "eval/accuracy": 0.75})
