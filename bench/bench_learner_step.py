@@ -126,6 +126,7 @@ MODES = {"plain": "plain module", "fsdp2": "FSDP2", "fsdp2-per-param": "FSDP2, p
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the learner (learner.num_threads)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--samples", type=int, default=8)
@@ -138,7 +139,7 @@ def main() -> None:
                     help="responses sampled from the model (fp32, the built-in task's prompts) instead of random "
                          "tokens; prints each mode's sampler-learner mismatch")
     args = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from dapo.tiny import ensure_tiny_model

@@ -341,8 +341,16 @@ class LearnerConfig:
     elsewhere. The sampler-learner log-prob mismatch this adds is logged as
     ``train/sampler_prox_kl_k3`` and ``train/sampler_prox_abs_logp_diff``."""
 
+    num_threads: int = 0
+    """torch intra-op threads of each learner rank (0 = auto: the CPUs this process may run on, shared
+    among the node's ranks). Idle threads sleep rather than spin (``OMP_WAIT_POLICY=PASSIVE``,
+    ``dapo.runtime.LEARNER_ENV``), so a rank may count cores it shares with local actors: on 2 cores
+    beside a 1-thread vLLM actor, 2 threads trained SmolLM2 1.48x faster while the actor idled and no
+    slower than 1 thread while it generated (bench/RESULTS.md "Learner threads")."""
+
     def __post_init__(self) -> None:
         _check(self.num_ranks >= 1, "learner.num_ranks", self.num_ranks, ">= 1")
+        _check(self.num_threads >= 0, "learner.num_threads", self.num_threads, ">= 0 (0 = auto)")
         _check(self.logprob_chunk_tokens >= 0, "learner.logprob_chunk_tokens", self.logprob_chunk_tokens,
                ">= 0 (0 = unchunked)")
         _check(not (self.cpu_offload and self.device == "cpu"), "learner.cpu_offload", self.cpu_offload,

@@ -35,13 +35,31 @@ def apply_service_env() -> None:
     os.environ.update(service_env())
 
 
-LEARNER_ENV = {"LRU_CACHE_CAPACITY": "8", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "8"}
-"""Learner processes only: oneDNN's primitive cache and PyTorch's ideep cache (its CPU bf16 matmuls)
-keep an entry per input shape, 1,024 each by default, and a learner's shapes change every step
-(token counts per micro-batch): the SmolLM2-135M learner's heap grew ~17 MB a step in use
-(glibc's mallinfo2: not fragmentation), 0 with both at 8, no slower (bench/mem_learner_rss.py,
-bench/RESULTS.md "A real model"). Read at the first matmul, so setting them after importing torch
-works. Not for the actors: vLLM's own kernels decide there."""
+LEARNER_ENV = {"LRU_CACHE_CAPACITY": "8", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "8", "OMP_WAIT_POLICY": "PASSIVE"}
+"""Learner processes only, set before torch is imported (``learner.main``).
+- ``LRU_CACHE_CAPACITY``, ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``: oneDNN's primitive cache and PyTorch's
+  ideep cache (its CPU bf16 matmuls) keep an entry per input shape, 1,024 each by default, and a
+  learner's shapes change every step (token counts per micro-batch): the SmolLM2-135M learner's heap
+  grew ~17 MB a step in use (glibc's mallinfo2: not fragmentation), 0 with both at 8, no slower
+  (bench/mem_learner_rss.py, bench/RESULTS.md "A real model"). Not for the actors: vLLM's own kernels
+  decide there.
+- ``OMP_WAIT_POLICY=PASSIVE``: OpenMP threads that wait at the end of a parallel region sleep instead
+  of spinning. A learner with 2 threads on 2 cores beside a busy 1-thread process took 36.5 s a
+  SmolLM2 step spinning (its spinning thread stole the core the other was waiting for) and 21.4 s
+  passive, against 21.9 s with 1 thread; on idle cores 13.9 s (``learner.num_threads``). Read when
+  OpenMP starts: set before torch is imported."""
+
+
+def learner_threads(num_threads: int) -> int:
+    """``learner.num_threads`` resolved: as given, or (0) the CPUs this process may run on divided
+    among the node's learner ranks (torchrun's ``LOCAL_WORLD_SIZE``), at least 1."""
+    if num_threads > 0:
+        return num_threads
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, cpus // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 def apply_learner_env() -> None:

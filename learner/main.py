@@ -10,7 +10,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from dapo.launch import die_with_parent
-from dapo.runtime import apply_learner_env, apply_service_env
+from dapo.runtime import apply_learner_env, apply_service_env, learner_threads
 
 apply_service_env()
 apply_learner_env()  # before the first matmul: bounded CPU matmul caches (dapo/runtime.py)
@@ -28,6 +28,7 @@ def main(argv: list[str]) -> int:
     die_with_parent()
     stop = loop.StopFlag()  # first thing: a stop requested during start-up is kept, not lost
     cfg = read_config(argv)
+    torch.set_num_threads(learner_threads(cfg.learner.num_threads))
     device = torch.device("cuda" if cfg.learner.device == "cuda" or (
         cfg.learner.device == "auto" and torch.cuda.is_available()) else "cpu")
     if device.type == "cuda":
@@ -49,7 +50,7 @@ def main(argv: list[str]) -> int:
     if services is not None:
         loop.publish_initial(services, state_dict, start_step)
         print(f"learner: {dist.get_world_size()} rank(s) on {device} ({'FSDP2' if trainer.sharded else 'plain module'}, "
-              f"{str(trainer.compute_dtype).removeprefix('torch.')} compute), "
+              f"{str(trainer.compute_dtype).removeprefix('torch.')} compute, {torch.get_num_threads()} thread(s)), "
               f"{'resumed from ' + str(resume) if resume else 'fresh start'} at step {start_step}", flush=True)
     try:
         step = loop.run(cfg, trainer, services, start_step=start_step, model_path=str(model_path), stop=stop)

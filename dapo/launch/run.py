@@ -191,8 +191,22 @@ def prepare(overrides: list[str]) -> tuple[DapoConfig, Path]:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     for stale in ("metrics.jsonl", "trained_prompts.jsonl"):
         (run_dir / stale).unlink(missing_ok=True)  # a fresh run never mixes with an old one
-    cfg = with_free_ports(cfg)
+    cfg = with_learner_threads(with_free_ports(cfg))
     return cfg, save_resolved(cfg)
+
+
+def with_learner_threads(cfg):
+    """``cfg`` with ``learner.num_threads`` given as 0 (auto) decided for a learner that shares this
+    machine with the run's actors: the CPUs left after one per actor (a vLLM or torch actor runs one
+    thread), divided among the ranks, at least 1. On 2 cores beside one vLLM actor a SmolLM2 learner
+    with 2 threads ran no faster end to end than with 1 (bench/RESULTS.md "Learner threads"): the
+    actor generates about half of each step, and the second thread slows it as much as it speeds
+    the learner. ``dapo learner`` alone counts every CPU as the learner's (dapo.runtime.learner_threads)."""
+    if cfg.learner.num_threads:
+        return cfg
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, (cpus - cfg.run.num_actors) // cfg.learner.num_ranks)
+    return replace(cfg, learner=replace(cfg.learner, num_threads=threads))
 
 
 def _finish(run_dir: Path, records: list[dict], cfg, learner_rc: int | None, started_unix_s: float) -> int:

@@ -157,7 +157,7 @@ def test_a_two_node_learner_pool_trains_over_gloo_with_an_actor_on_a_third_host(
     finally:
         c.close()
     log, node1_log = c.learner_log.read_text(), (c.logs / "node1.log").read_text()
-    assert "learner: 2 rank(s) on cpu (FSDP2, float32 compute)" in log, log[-3000:]
+    assert "learner: 2 rank(s) on cpu (FSDP2, float32 compute, " in log, log[-3000:]
     for text, host in ((log, node0), (node1_log, hosts["node1"])):
         assert f"use interface {host.ifname} ({host.address}," in text, text[-3000:]
     report = audit_run(c.run_dir, total_steps=total_steps, num_prompts_per_step=N, max_staleness_steps=K)

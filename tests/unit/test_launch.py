@@ -203,3 +203,25 @@ def test_ports_are_picked_below_the_kernels_ephemeral_range_and_fall_back_to_any
     assert launch.picked_port_range() == range(32768 - launch.PICKED_PORTS_SPAN, 32768)
     for s in held[1:]:
         s.close()
+
+
+def test_dapo_run_leaves_a_cpu_per_actor_and_splits_the_rest_among_the_learner_ranks(monkeypatch):
+    """learner.num_threads=0 (auto) under `dapo run`: one CPU per local actor, the rest shared by the
+    ranks, at least 1; a number the user gave is kept. `dapo learner` alone: every CPU, per local rank."""
+    from dapo.runtime import learner_threads
+
+    def threads(cpus: int, actors: int, ranks: int, given: int = 0) -> int:
+        monkeypatch.setattr(run.os, "sched_getaffinity", lambda _pid: set(range(cpus)))
+        cfg = load_config([f"run.num_actors={actors}", f"learner.num_ranks={ranks}", f"learner.num_threads={given}"])
+        return run.with_learner_threads(cfg).learner.num_threads
+
+    assert threads(2, 1, 1) == 1
+    assert threads(8, 2, 2) == 3
+    assert threads(16, 1, 1) == 15
+    assert threads(1, 3, 2) == 1
+    assert threads(2, 1, 1, given=2) == 2
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(12)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert learner_threads(0) == 3 and learner_threads(5) == 5
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert learner_threads(0) == 12
