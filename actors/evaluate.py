@@ -326,23 +326,31 @@ def prepare(args: argparse.Namespace) -> EvalInputs:
                       dtype, time.perf_counter() - t_start)
 
 
-def run_eval(args: argparse.Namespace, inputs: EvalInputs) -> dict[str, Any]:
+def make_eval_engine(args: argparse.Namespace, inputs: EvalInputs) -> Any:
+    """The actors' engine (in-process vLLM, enforce_eager, ids in and out, prefix caching) for
+    ``inputs``; the per-token log-probs it also returns are not used here."""
+    from actors.engines import make_engine
+
+    # A context no longer than needed: vLLM reserves KV cache for one full-length sequence.
+    max_model_len = max(len(p.prompt_token_ids) for p in inputs.prompts) + inputs.max_response_tokens
+    return make_engine("vllm", str(inputs.model_path), dtype=inputs.dtype, max_model_len_tokens=max_model_len,
+                       seed=args.seed)
+
+
+def run_eval(args: argparse.Namespace, inputs: EvalInputs, engine: Any = None) -> dict[str, Any]:
     """Generate and score; returns the report (``build_report``). Rows of a multi-turn environment
-    run as training runs them: episodes through the actors' driver and environment workers."""
+    run as training runs them: episodes through the actors' driver and environment workers.
+    ``engine``: one to reuse (weights already loaded; left open), else one is made and closed here."""
     from tqdm import tqdm
 
-    from actors.engines import make_engine
     from actors.env_pool import EnvPool
     from actors.verifier import Verifier
 
     prompts, a = inputs.prompts, inputs.cfg.actor
     t_load = time.perf_counter()
-    # A context no longer than needed: vLLM reserves KV cache for one full-length sequence.
-    max_model_len = max(len(p.prompt_token_ids) for p in prompts) + inputs.max_response_tokens
-    # The actors' engine (in-process vLLM, enforce_eager, ids in and out, prefix caching); the
-    # per-token log-probs it also returns are not used here.
-    engine = make_engine("vllm", str(inputs.model_path), dtype=inputs.dtype, max_model_len_tokens=max_model_len,
-                         seed=args.seed)
+    owned = engine is None
+    if owned:
+        engine = make_eval_engine(args, inputs)
     # The same scoring function, environments and deadlines as the actors use in training.
     verifier = Verifier(a.verifier_timeout_s, a.reward_fn)
     pool = EnvPool(a.env_workers, a.env_timeout_s, a.reward_fn) if any(
@@ -379,7 +387,8 @@ def run_eval(args: argparse.Namespace, inputs: EvalInputs) -> dict[str, Any]:
         verifier.close()
         if pool is not None:
             pool.close()
-        engine.close()
+        if owned:
+            engine.close()
     return build_report(args, inputs, results, counts,
                         {"prepare": inputs.prepare_s, "load": t_gen - t_load, "generate": generate_s,
                          "score": score_s, "total": inputs.prepare_s + time.perf_counter() - t_load})

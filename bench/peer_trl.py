@@ -198,10 +198,13 @@ def grpo_config(peer: PeerConfig, out_dir: str, *, seed: int, max_batches: int):
 
 # ----------------------------------------------------------------------------------- harness side
 def run_peer(workload: str, knobs: PeerKnobs, *, seed: int, max_batches: int, work: Path, name: str,
-             eval_every_batches: int = 0, target: float | None = None) -> dict:
+             eval_every_batches: int = 0, target: float | None = None, snapshot_every_batches: int = 0) -> dict:
     """One peer run in its own process (.venv-bench's python, ``knobs.threads`` threads); returns
     the worker's record (module docstring) with ``t_cmd_unix_s`` (the clock's start) and
-    ``command_s``. ``target``: stop once an evaluation reported >= it; None: run ``max_batches``."""
+    ``command_s``. ``target``: stop once an evaluation reported >= it; None: run ``max_batches``.
+    ``snapshot_every_batches``: write the weights before training and after every such batch as dapo's
+    learner.save_weights_every_steps does (learner/snapshots.py, in model.dtype) under
+    ``work/<name>/weights``, inside the batch's time, for scoring after the run (bench/score_snapshots.py)."""
     if not BENCH_PYTHON.exists():
         raise SystemExit(f"{BENCH_PYTHON} is missing: create the bench venv first (see bench/peer_trl.py's docstring)")
     out, log = work / f"{name}.json", work / f"{name}.log"
@@ -211,7 +214,8 @@ def run_peer(workload: str, knobs: PeerKnobs, *, seed: int, max_batches: int, wo
            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     t0 = time.time()
     spec = {"workload": workload, "knobs": asdict(knobs), "seed": seed, "max_batches": max_batches,
-            "eval_every_batches": eval_every_batches, "target": target, "t_cmd_unix_s": t0, "out": str(out)}
+            "eval_every_batches": eval_every_batches, "target": target, "t_cmd_unix_s": t0, "out": str(out),
+            "snapshot_every_batches": snapshot_every_batches, "snapshot_root": str(work / name / "weights")}
     with open(log, "w") as err:
         rc = subprocess.call([str(BENCH_PYTHON), __file__, "--worker", json.dumps(spec)], env=env,
                              stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT)
@@ -361,8 +365,9 @@ def peer_task(cfg, peer: PeerConfig, tok, recorder: _Recorder) -> tuple:
 
 
 def _clock(recorder: _Recorder, evaluator, peer: PeerConfig, *, eval_every_batches: int, max_batches: int,
-           target: float | None):
-    """The TrainerCallback that stamps batch ends and drives the evaluator (module docstring)."""
+           target: float | None, snapshot=None, snapshot_every_batches: int = 0):
+    """The TrainerCallback that stamps batch ends, drives the evaluator and writes the snapshots
+    (``snapshot(model, batch)``) (module docstring)."""
     from transformers import TrainerCallback
 
     raw, pending = recorder.raw, []
@@ -384,6 +389,8 @@ def _clock(recorder: _Recorder, evaluator, peer: PeerConfig, *, eval_every_batch
         def on_train_begin(self, _args, state, control, model=None, **_):
             if evaluator is not None:
                 submit(model, 0)
+            if snapshot is not None:
+                snapshot(model, 0)
             raw["train_begin_unix_s"] = time.time()
 
         def on_step_end(self, _args, state, control, model=None, **_):
@@ -399,6 +406,10 @@ def _clock(recorder: _Recorder, evaluator, peer: PeerConfig, *, eval_every_batch
                 t0 = time.perf_counter()
                 submit(model, batch)
                 raw["batches"][-1]["eval_submit_s"] = time.perf_counter() - t0
+            if snapshot is not None and (batch % snapshot_every_batches == 0 or batch == max_batches):
+                t0 = time.perf_counter()
+                snapshot(model, batch)
+                raw["batches"][-1]["snapshot_s"] = time.perf_counter() - t0
             raw["batches"][-1]["end_unix_s"] = time.time()
 
     return PeerClock(), collect
@@ -436,8 +447,15 @@ def worker(spec: dict) -> None:
         evaluator = Evaluator(cfg, Path(model_path), tok)  # first: it forks before the model and trainer exist
     recorder = _Recorder(spec["t_cmd_unix_s"])
     rows, rewards = peer_task(cfg, peer, tok, recorder)
+    snapshot = None
+    if spec.get("snapshot_every_batches"):
+        from learner.snapshots import save_snapshot
+
+        def snapshot(model, batch: int) -> None:  # dapo's writer, in dapo's published dtype
+            save_snapshot(model.state_dict(), model_path, spec["snapshot_root"], batch, getattr(torch, cfg.model.dtype))
     clock, collect = _clock(recorder, evaluator, peer, eval_every_batches=spec["eval_every_batches"],
-                            max_batches=spec["max_batches"], target=spec["target"])
+                            max_batches=spec["max_batches"], target=spec["target"], snapshot=snapshot,
+                            snapshot_every_batches=spec.get("snapshot_every_batches", 0))
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     recorder.time_generate(model)
     try:

@@ -5,6 +5,7 @@ or on a real model (``--workload smollm2_arith``: SmolLM2-135M-Instruct on the b
     .venv/bin/python bench/vs_trl.py --tune --seeds 0     # the peer's knob grid (bench/peer_trl.py)
     .venv/bin/python bench/vs_trl.py --append bench/RESULTS.md --png bench/vs_trl.png
     .venv/bin/python bench/vs_trl.py --workload smollm2_arith --seeds 0 1 --png bench/vs_trl_smollm2.png
+    .venv/bin/python bench/vs_trl.py --workload smollm2_arith --seeds 0 1 --instrument offline --max-batches 12
 
 Each run also reports where a steady-state step goes (generate, waiting for a batch, train, weight
 sync per version, evaluation submits) and, for dapo, the learner's and actors' idle fractions.
@@ -32,6 +33,15 @@ What is reported (all from the moment the harness starts the command; nothing ex
 - s/step: training time / batches to target; steady state: the median time per batch after the
   first 5 (dapo: ``time/step_s``; TRL: between consecutive batch ends).
 One "step" is one batch of 64 samples = 2 optimizer updates on both sides.
+
+``--instrument offline`` takes the evaluation out of both runs: each side writes its weights after
+every batch (dapo: ``learner.save_weights_every_steps=1``; the peer: the same writer, learner/snapshots.py,
+inside its batch's time) and runs exactly ``--max-batches`` batches; after each run (not timed)
+bench/score_snapshots.py scores every snapshot with one vLLM engine, ``--score-k`` samples a held-out
+prompt (512 samples at k = 4, against the inline instrument's 128). The target is reached when the
+first snapshot scoring >= it was complete on disk: wall time and step end are that one moment, and
+neither side pays for (or shares its cores with) an instrument. On a real model the inline
+Evaluator is an fp32 HF-generate copy that takes ~2 minutes an evaluation on 2 cores.
 
 ``--tune`` runs the peer alone over ``peer_trl.knob_grid`` (fp32 / bf16 autocast x gradient
 checkpointing off / on x 1 / 2 threads x lr 3e-5 / 1e-4 / 3e-4) for ``--tune-batches`` batches
@@ -88,14 +98,23 @@ def trl_result(raw: dict, target: float) -> dict:
             "s_per_step": (known - begin) / hit["batch"], "accuracy": hit["accuracy"]}
 
 
-def run_trl(seed: int, knobs: PeerKnobs, work: Path, target: float, workload: str, max_batches: int) -> dict:
+def run_trl(seed: int, knobs: PeerKnobs, work: Path, target: float, workload: str, max_batches: int,
+            instrument: str = "inline", score_k: int = 4) -> dict:
     name = f"trl-{workload}-seed{seed}-{'bf16' if knobs.bf16 else 'fp32'}-ckpt{int(knobs.gradient_checkpointing)}-" \
            f"t{knobs.threads}-lr{knobs.learning_rate:g}"
-    raw = run_peer(workload, knobs, seed=seed, max_batches=max_batches, work=work, name=name,
-                   eval_every_batches=EVAL_EVERY_BATCHES, target=target)
-    curve = [(e["done_unix_s"] - raw["t_cmd_unix_s"], e["accuracy"]) for e in raw["evals"]]
-    return {**trl_result(raw, target), **trl_breakdown(raw), "curve": curve, "seed": seed,
-            "config": knobs.label(), "command_s": raw["command_s"]}
+    if instrument == "offline":
+        raw = run_peer(workload, knobs, seed=seed, max_batches=max_batches, work=work, name=name,
+                       snapshot_every_batches=1)
+        scores = score_offline(work / name / "weights", workload, score_k)
+        per_batch = batch_seconds(raw)
+        result = offline_result("trl", scores, raw["t_cmd_unix_s"], raw["train_begin_unix_s"], target,
+                                statistics.median(per_batch[5:]) if len(per_batch) > 6 else None)
+    else:
+        raw = run_peer(workload, knobs, seed=seed, max_batches=max_batches, work=work, name=name,
+                       eval_every_batches=EVAL_EVERY_BATCHES, target=target)
+        result = {**trl_result(raw, target),
+                  "curve": [(e["done_unix_s"] - raw["t_cmd_unix_s"], e["accuracy"]) for e in raw["evals"]]}
+    return {**result, **trl_breakdown(raw), "seed": seed, "config": knobs.label(), "command_s": raw["command_s"]}
 
 
 def trl_breakdown(raw: dict) -> dict:
@@ -105,7 +124,7 @@ def trl_breakdown(raw: dict) -> dict:
     done = [b for b in raw["batches"] if "end_unix_s" in b]
     per_batch = batch_seconds(raw)
     gen = [b.get("generate_s", 0.0) for b in done]
-    sub = [b.get("eval_submit_s", 0.0) for b in done]
+    sub = [b.get("eval_submit_s", 0.0) + b.get("snapshot_s", 0.0) for b in done]
     return {"break_step_s": _median_after_warmup(per_batch), "break_generate_s": _median_after_warmup(gen),
             "break_eval_s": _median_after_warmup(sub),
             "break_train_s": _median_after_warmup([t - g - e for t, g, e in zip(per_batch, gen, sub)])}
@@ -126,11 +145,14 @@ def run_tune(args: argparse.Namespace, work: Path) -> str:
 
 
 # ----------------------------------------------------------------------------------- dapo
-def run_dapo(seed: int, work: Path, extra: list[str], target: float, workload: str, max_batches: int) -> dict:
+def run_dapo(seed: int, work: Path, extra: list[str], target: float, workload: str, max_batches: int,
+             instrument: str = "inline", score_k: int = 4) -> dict:
     run_dir = work / f"dapo-{workload}-seed{seed}"
-    argv = [str(DAPO), "run", *WORKLOADS[workload], *DAPO_EXTRA[workload], f"learner.total_steps={max_batches}",
-            f"run.run_dir={run_dir}", "run.stop_at_target=true", f"run.target_accuracy={target}",
-            f"learner.eval_every_steps={EVAL_EVERY_BATCHES}", f"learner.seed={seed}", f"actor.seed={seed}",
+    evaluation = ([*DAPO_EXTRA[workload], "run.stop_at_target=true", f"run.target_accuracy={target}",
+                   f"learner.eval_every_steps={EVAL_EVERY_BATCHES}"] if instrument == "inline" else
+                  ["learner.eval_every_steps=0", "learner.save_weights_every_steps=1", "run.stop_at_target=false"])
+    argv = [str(DAPO), "run", *WORKLOADS[workload], *evaluation, f"learner.total_steps={max_batches}",
+            f"run.run_dir={run_dir}", f"learner.seed={seed}", f"actor.seed={seed}",
             f"run.cache_dir={ROOT / '.cache' / 'dapo'}", "transport.grpc_port=0", "transport.zmq_port=0",
             "weights.side_channel_port=0", "weights.collective_port=0", *extra]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
@@ -141,10 +163,42 @@ def run_dapo(seed: int, work: Path, extra: list[str], target: float, workload: s
     if proc.returncode != 0:
         raise SystemExit(f"dapo run failed (exit {proc.returncode}); see {run_dir.parent / f'{run_dir.name}.stderr'}")
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    curve = [(r.get("time/eval_done_unix_s", r["unix_time_s"]) - t0, r["eval/accuracy"]) for r in recs
-             if "eval/accuracy" in r]
-    return {**dapo_result(recs, t0, target), **dapo_breakdown(recs, run_dir), "curve": curve, "seed": seed,
-            "config": "defaults", "command_s": command_s, "startup": _startup_line(proc.stderr)}
+    if instrument == "offline":
+        steps = [r for r in recs if "time/step_s" in r]
+        begin = next(r["unix_time_s"] for r in recs if r["step"] == 0)  # version 0 published: training starts
+        result = offline_result("dapo", score_offline(run_dir / "weights", workload, score_k), t0, begin, target,
+                                statistics.median([r["time/step_s"] for r in steps[5:]]) if len(steps) > 6 else None)
+    else:
+        result = {**dapo_result(recs, t0, target),
+                  "curve": [(r.get("time/eval_done_unix_s", r["unix_time_s"]) - t0, r["eval/accuracy"])
+                            for r in recs if "eval/accuracy" in r]}
+    return {**result, **dapo_breakdown(recs, run_dir), "seed": seed, "config": "defaults", "command_s": command_s,
+            "startup": _startup_line(proc.stderr)}
+
+
+def score_offline(root: Path, workload: str, k: int) -> list[dict]:
+    """The snapshots under ``root``, scored by bench/score_snapshots.py after the run (not timed)."""
+    argv = [sys.executable, str(ROOT / "bench" / "score_snapshots.py"), str(root), "--k", str(k), "--",
+            *WORKLOADS[workload], f"run.cache_dir={ROOT / '.cache' / 'dapo'}"]
+    proc = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise SystemExit(f"scoring {root} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return [json.loads(line) for line in (root / "scores.jsonl").read_text().splitlines() if line.strip()]
+
+
+def offline_result(system: str, scores: list[dict], t_cmd: float, begin: float, target: float,
+                   steady_s_per_step: float | None) -> dict:
+    """A table row from snapshots scored after the run: the target is reached when the first snapshot
+    after version 0 that scores >= it was complete on disk (wall and step end are that one time)."""
+    curve = [(s["unix_time_s"] - t_cmd, s["accuracy"]) for s in scores]
+    out = {"system": system, "first_accuracy": scores[0]["accuracy"], "startup_s": begin - t_cmd,
+           "steady_s_per_step": steady_s_per_step, "curve": curve}
+    hit = next((s for s in scores if s["step"] > 0 and s["accuracy"] >= target), None)
+    if hit is None:
+        return {**out, "reached": False, "batches": scores[-1]["step"]}
+    at = hit["unix_time_s"]
+    return {**out, "reached": True, "batches": hit["step"], "wall_s": at - t_cmd, "step_end_s": at - t_cmd,
+            "train_s": at - begin, "s_per_step": (at - begin) / hit["step"], "accuracy": hit["accuracy"]}
 
 
 def _median_after_warmup(values: list[float]) -> float | None:
@@ -157,7 +211,9 @@ def dapo_breakdown(recs: list[dict], run_dir: Path) -> dict:
     the idle fractions (learner: waiting for a batch; actors: since start, at the last step)."""
     steps = [r for r in recs if "time/step_s" in r]
     med = {k: _median_after_warmup([r.get(k, 0.0) for r in steps]) for k in
-           ("time/step_s", "time/wait_batch_s", "time/train_s", "time/eval_submit_s")}
+           ("time/step_s", "time/wait_batch_s", "time/train_s")}
+    med["time/eval_submit_s"] = _median_after_warmup([r.get("time/eval_submit_s", 0.0) + r.get("time/save_weights_s", 0.0)
+                                                      for r in steps])
     sync = _median_after_warmup([r.get("time/gather_s", 0.0) + r.get("time/serialise_s", 0.0)
                                  + r.get("time/publish_s", 0.0) for r in steps])
     out = {"break_step_s": med["time/step_s"], "break_wait_s": med["time/wait_batch_s"],
@@ -250,7 +306,8 @@ def breakdown_table(rows: list[dict], workload: str) -> str:
     samples = cfg.algorithm.num_prompts_per_step * cfg.algorithm.num_samples_per_prompt
     lines = ["Steady state (medians after the first 5 steps), seconds per step:", "",
              "| system | seed | step s | samples/s | generate s | wait for a batch s | train s | "
-             "weight sync / version s (learner; actor fetch + load) | eval submit s | learner idle | actor idle |",
+             "weight sync / version s (learner; actor fetch + load) | eval submit / snapshot s | learner idle | "
+             "actor idle |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         step = r.get("break_step_s")
@@ -269,7 +326,8 @@ def breakdown_table(rows: list[dict], workload: str) -> str:
     return "\n".join(lines)
 
 
-def plot(rows_raw: dict[str, list[tuple[float, float]]], path: Path, target: float) -> None:
+def plot(rows_raw: dict[str, list[tuple[float, float]]], path: Path, target: float,
+         xlabel: str = "wall time from command start to the evaluation's report (s)") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -280,7 +338,7 @@ def plot(rows_raw: dict[str, list[tuple[float, float]]], path: Path, target: flo
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=label,
                 color="tab:blue" if label.startswith("dapo") else "tab:orange")
     ax.axhline(target, color="grey", lw=0.8, ls="--")
-    ax.set_xlabel("wall time from command start to the evaluation's report (s)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("held-out accuracy")
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -328,6 +386,12 @@ def main() -> None:
                         metavar="{on,off}", help="tune over these gradient-checkpointing settings (default: both)")
     parser.add_argument("--tune-eval-every", type=int, default=EVAL_EVERY_BATCHES,
                         help="held-out evaluation every this many batches in tuning runs (0: speed only)")
+    parser.add_argument("--instrument", choices=("inline", "offline"), default="inline",
+                        help="inline: the forked Evaluator inside both runs, every 5 batches, stopping at the "
+                             "target; offline: no evaluation inside either run, both write their weights every "
+                             "batch (learner/snapshots.py) for --max-batches batches, scored after each run by "
+                             "bench/score_snapshots.py (vLLM, --score-k samples a held-out prompt)")
+    parser.add_argument("--score-k", type=int, default=4, help="offline: samples per held-out prompt (default 4)")
     parser.add_argument("--only", choices=("dapo", "trl"), help="run one side only")
     parser.add_argument("--dapo-override", action="append", default=[], help="extra `dapo run` override")
     parser.add_argument("--work", default=None, help="folder for runs and logs (default: a temp folder)")
@@ -357,10 +421,12 @@ def compare(args: argparse.Namespace, work: Path, loads: list[str], head: str) -
     max_batches = args.max_batches or MAX_BATCHES[args.workload]
     for seed in args.seeds:  # interleaved: machine load drifts hit both sides alike
         if args.only != "trl":
-            rows.append(run_dapo(seed, work, args.dapo_override, args.target, args.workload, max_batches))
+            rows.append(run_dapo(seed, work, args.dapo_override, args.target, args.workload, max_batches,
+                                 args.instrument, args.score_k))
             print(table([rows[-1]], args.target).splitlines()[-1], rows[-1].get("startup", ""), flush=True)
         if args.only != "dapo":
-            rows.append(run_trl(seed, knobs, work, args.target, args.workload, max_batches))
+            rows.append(run_trl(seed, knobs, work, args.target, args.workload, max_batches, args.instrument,
+                                args.score_k))
             print(table([rows[-1]], args.target).splitlines()[-1], flush=True)
         loads.append(load_avg())
     report = (f"{head}, load average (1/5/15 min) before and after each seed: {'; '.join(loads)}\n\n"
@@ -371,7 +437,8 @@ def compare(args: argparse.Namespace, work: Path, loads: list[str], head: str) -
         report += "\ndapo start-up lines:\n\n" + "\n".join(f"    {s}" for s in startups) + "\n"
     if args.png:
         curves = {f"{r['system']} seed {r['seed']}": r["curve"] for r in rows if r.get("curve")}
-        plot(curves, Path(args.png), args.target)
+        plot(curves, Path(args.png), args.target, xlabel="wall time from command start to the snapshot's write (s)"
+             if args.instrument == "offline" else "wall time from command start to the evaluation's report (s)")
     return report
 
 

@@ -286,6 +286,11 @@ class LearnerConfig:
     """Training steps before the learner stops (0 = run until stopped)."""
     checkpoint_every_steps: int = 50
     """Write a checkpoint every K steps (0 = only at the end)."""
+    save_weights_every_steps: int = 0
+    """Write version 0 and every K-th version as an HF folder, ``run_dir/weights/step_<N>``, in
+    ``model.dtype``, with a line in ``run_dir/weights/index.jsonl`` saying when it was complete
+    (learner/snapshots.py): to score versions after the run with ``dapo eval``, as verl's save_freq
+    and TRL's save_steps do. No optimizer state (checkpoints have it). 0 = off."""
     resume: str = ""
     """Checkpoint folder to resume from ('' = fresh start); ``latest`` picks the newest in run_dir."""
     eval_every_steps: int = 20
@@ -351,6 +356,8 @@ class LearnerConfig:
     def __post_init__(self) -> None:
         _check(self.num_ranks >= 1, "learner.num_ranks", self.num_ranks, ">= 1")
         _check(self.num_threads >= 0, "learner.num_threads", self.num_threads, ">= 0 (0 = auto)")
+        _check(self.save_weights_every_steps >= 0, "learner.save_weights_every_steps", self.save_weights_every_steps,
+               ">= 0 (0 = off)")
         _check(self.logprob_chunk_tokens >= 0, "learner.logprob_chunk_tokens", self.logprob_chunk_tokens,
                ">= 0 (0 = unchunked)")
         _check(not (self.cpu_offload and self.device == "cpu"), "learner.cpu_offload", self.cpu_offload,

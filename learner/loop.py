@@ -34,6 +34,7 @@ from learner import checkpoint
 from learner.batch import batch_metrics, from_groups, scatter_batch
 from learner.heap import heap_stats, release_free_heap
 from learner.rank0 import Rank0Services
+from learner.snapshots import save_snapshot, snapshot_root
 from learner.trainer import Trainer
 
 WAIT, BATCH, STOP, ERROR = 0, 1, 2, 3
@@ -83,6 +84,9 @@ def run(cfg: DapoConfig, trainer: Trainer, services: Rank0Services | None, *, st
         with timed(t, "gather"):
             state_dict = trainer.full_state_dict()
         step += 1
+        if services and cfg.learner.save_weights_every_steps and step % cfg.learner.save_weights_every_steps == 0:
+            with timed(t, "save_weights"):
+                save_weights(cfg, state_dict, model_path, step)
         evaluating = bool(services and services.evaluator and step % cfg.learner.eval_every_steps == 0)
         pub: dict[str, float] = {}
         if services:
@@ -218,6 +222,11 @@ def publish_initial(services: Rank0Services, state_dict: dict[str, torch.Tensor]
     publish_version(services, state_dict, step, services.evaluator is not None, {})
     hold(services, step, {"version": float(step)}, awaits_eval=services.evaluator is not None)
     flush_records(services)
+
+
+def save_weights(cfg: DapoConfig, state_dict: dict[str, torch.Tensor], model_path: str, step: int) -> None:
+    """Version ``step`` as an HF folder (``learner.save_weights_every_steps``, learner/snapshots.py)."""
+    save_snapshot(state_dict, model_path, snapshot_root(cfg.run.run_dir), step, getattr(torch, cfg.model.dtype))
 
 
 def save_checkpoint(cfg: DapoConfig, trainer: Trainer, services: Rank0Services | None, step: int,

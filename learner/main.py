@@ -49,6 +49,8 @@ def main(argv: list[str]) -> int:
     state_dict = trainer.full_state_dict()  # version start_step, so actors can sync before step 1
     if services is not None:
         loop.publish_initial(services, state_dict, start_step)
+        if cfg.learner.save_weights_every_steps:
+            loop.save_weights(cfg, state_dict, str(model_path), start_step)
         print(f"learner: {dist.get_world_size()} rank(s) on {device} ({'FSDP2' if trainer.sharded else 'plain module'}, "
               f"{str(trainer.compute_dtype).removeprefix('torch.')} compute, {torch.get_num_threads()} thread(s)), "
               f"{'resumed from ' + str(resume) if resume else 'fresh start'} at step {start_step}", flush=True)
