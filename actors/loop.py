@@ -58,6 +58,7 @@ from actors.verifier import Verdict, Verifier
 from dapo.algorithm import overlong_penalty
 from dapo.config import DapoConfig
 from dapo.envs import env_spec
+from dapo.heap import trim_free_heap
 from dapo.wire import TrajectoryGroup, encode_group
 from protos import coordinator_pb2 as pb
 
@@ -200,6 +201,8 @@ class Actor:
             return
         with self.metrics.stage("load_weights"):
             self.engine.load_weights(state, version)
+        with self.metrics.stage("heap_trim"):  # the load's and the last batches' freed buffers (dapo/heap.py)
+            trim_free_heap()
         self.latest_version = max(self.latest_version, version)
         self.metrics.weight_version = version
         self.metrics.add("weight_loads")

@@ -4,7 +4,7 @@ round, with a weight load every round (as the actor loads each version). Prints 
 and a least-squares slope after warm-up. Where an actor's memory goes when it grows.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python bench/mem_actor_rss.py --rounds 80 --model <folder>
-    ONEDNN_PRIMITIVE_CACHE_CAPACITY=8 LRU_CACHE_CAPACITY=8 ... (read at process start: dapo.runtime.LEARNER_ENV)
+    LRU_CACHE_CAPACITY=1024 ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024 ... (torch's defaults; dapo.runtime.service_env sets 8)
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
 from actors.engines.vllm_engine import VllmEngine  # noqa: E402
-from learner.heap import heap_stats, release_free_heap  # noqa: E402
+from dapo.heap import heap_stats, release_free_heap, trim_free_heap  # noqa: E402
 
 
 def slope_mb_per_100(xs: list[int], ys: list[float]) -> float:
@@ -38,6 +38,9 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=20, help="rounds left out of the slope")
     ap.add_argument("--no-load", action="store_true", help="skip the weight load of every round")
     ap.add_argument("--trim", action="store_true", help="malloc_trim(0) after each round")
+    ap.add_argument("--trim-above-mb", type=float, default=0.0,
+                    help="malloc_trim(0) after a round only when glibc holds more than this free (the actor's rule, "
+                         "dapo.heap.trim_free_heap; 0: off)")
     args = ap.parse_args()
 
     proc = psutil.Process()
@@ -45,7 +48,8 @@ def main() -> int:
     weights = {k: v.to(torch.bfloat16) for k, v in load_file(os.path.join(args.model, "model.safetensors")).items()}
     rng = random.Random(0)
     caps = {k: os.environ.get(k, "default") for k in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
-    print(f"caps {caps}, load every round: {not args.no_load}, trim: {args.trim}", flush=True)
+    print(f"caps {caps}, load every round: {not args.no_load}, trim: {args.trim}, trim above: {args.trim_above_mb} MB",
+          flush=True)
     xs, rss, heap = [], [], []
     for r in range(args.rounds):
         t0 = time.perf_counter()
@@ -55,6 +59,8 @@ def main() -> int:
             engine.load_weights(weights, version=r + 1)
         if args.trim:
             release_free_heap()
+        elif args.trim_above_mb:
+            trim_free_heap(args.trim_above_mb)
         xs.append(r)
         rss.append(proc.memory_info().rss / 2**20)
         stats = heap_stats()

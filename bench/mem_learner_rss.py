@@ -74,7 +74,7 @@ def main() -> int:
 def run(cfg, args) -> int:
     from transformers import AutoModelForCausalLM
 
-    from learner.heap import heap_stats, release_free_heap
+    from dapo.heap import heap_stats, release_free_heap
     from learner.publisher import WeightPublisher
     from learner.trainer import Trainer, TrainerSettings
     from learner.transports import SenderOptions

@@ -13,6 +13,13 @@ def service_env() -> dict[str, str]:
     - vLLM in-process engine, small CPU KV cache, no torch.compile: seconds of start-up instead
       of tens, and the same behaviour in tests and in the product.
     - ``HF_HUB_OFFLINE``: nothing is ever downloaded; models are local folders.
+    - ``LRU_CACHE_CAPACITY``, ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``: oneDNN's primitive cache and
+      PyTorch's ideep cache (the CPU bf16 matmuls) keep an entry per input shape, 1,024 each by
+      default, and shapes change every step (token counts per micro-batch, batch sizes per decode
+      step): heap in use grew ~17 MB a step in the SmolLM2 learner and ~1.2 MB a round of generate +
+      weight load in its vLLM actor (glibc's mallinfo2: not fragmentation), 0 with both at 8, and
+      neither was slower (bench/mem_learner_rss.py, bench/mem_actor_rss.py; bench/RESULTS.md
+      "A real model" and "The actor's memory"). Read at the first matmul.
     Values already set by the user win.
     """
     defaults = {
@@ -26,6 +33,8 @@ def service_env() -> dict[str, str]:
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
         "TORCH_COMPILE_DISABLE": "1",
         "VLLM_LOGGING_LEVEL": "WARNING",
+        "LRU_CACHE_CAPACITY": "8",
+        "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "8",
     }
     return {k: os.environ.get(k, v) for k, v in defaults.items()}
 
@@ -35,19 +44,12 @@ def apply_service_env() -> None:
     os.environ.update(service_env())
 
 
-LEARNER_ENV = {"LRU_CACHE_CAPACITY": "8", "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "8", "OMP_WAIT_POLICY": "PASSIVE"}
-"""Learner processes only, set before torch is imported (``learner.main``).
-- ``LRU_CACHE_CAPACITY``, ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``: oneDNN's primitive cache and PyTorch's
-  ideep cache (its CPU bf16 matmuls) keep an entry per input shape, 1,024 each by default, and a
-  learner's shapes change every step (token counts per micro-batch): the SmolLM2-135M learner's heap
-  grew ~17 MB a step in use (glibc's mallinfo2: not fragmentation), 0 with both at 8, no slower
-  (bench/mem_learner_rss.py, bench/RESULTS.md "A real model"). Not for the actors: vLLM's own kernels
-  decide there.
-- ``OMP_WAIT_POLICY=PASSIVE``: OpenMP threads that wait at the end of a parallel region sleep instead
-  of spinning. A learner with 2 threads on 2 cores beside a busy 1-thread process took 36.5 s a
-  SmolLM2 step spinning (its spinning thread stole the core the other was waiting for) and 21.4 s
-  passive, against 21.9 s with 1 thread; on idle cores 13.9 s (``learner.num_threads``). Read when
-  OpenMP starts: set before torch is imported."""
+LEARNER_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+"""Learner processes only, set before torch is imported (``learner.main``). OpenMP threads that
+wait at the end of a parallel region sleep instead of spinning: a learner with 2 threads on 2 cores
+beside a busy 1-thread process took 36.5 s a SmolLM2 step spinning (its spinning thread stole the
+core the other was waiting for) and 21.4 s passive, against 21.9 s with 1 thread; on idle cores
+13.9 s (``learner.num_threads``, bench/RESULTS.md "Learner threads"). Read when OpenMP starts."""
 
 
 def learner_threads(num_threads: int) -> int:

@@ -12,7 +12,7 @@
                                                         the actors: training goes on; step records
                                                         wait in order for its result)
                                           checkpoint   every K steps (DCP + coordinator state)
-                                          heap trim    free heap pages back to the OS (learner/heap.py)
+                                          heap trim    free heap pages back to the OS (dapo/heap.py)
  metrics.jsonl, trained_prompts.jsonl  <─ log          (the audit line is written before publish)
 ```
 """
@@ -32,7 +32,7 @@ import torch.distributed as dist
 from dapo.config import DapoConfig
 from learner import checkpoint
 from learner.batch import batch_metrics, from_groups, scatter_batch
-from learner.heap import heap_stats, release_free_heap
+from dapo.heap import heap_stats, release_free_heap
 from learner.rank0 import Rank0Services
 from learner.snapshots import save_snapshot, snapshot_root
 from learner.trainer import Trainer
@@ -100,7 +100,7 @@ def run(cfg: DapoConfig, trainer: Trainer, services: Rank0Services | None, *, st
             with timed(t, "checkpoint"):
                 save_checkpoint(cfg, trainer, services, step, model_path)
             last_ckpt = step
-        t["time/heap_trim_s"] = release_free_heap()  # this step's freed buffers: RSS flat (learner/heap.py)
+        t["time/heap_trim_s"] = release_free_heap()  # this step's freed buffers: RSS flat (dapo/heap.py)
         if services and failure is None:
             try:
                 log_step(services, step, groups, batch, {**t, **train, **pub}, time.perf_counter() - t_step,

@@ -13,7 +13,7 @@ from dapo.launch import die_with_parent
 from dapo.runtime import apply_learner_env, apply_service_env, learner_threads
 
 apply_service_env()
-apply_learner_env()  # before the first matmul: bounded CPU matmul caches (dapo/runtime.py)
+apply_learner_env()  # before torch: idle OpenMP threads sleep (dapo/runtime.py LEARNER_ENV)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

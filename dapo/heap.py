@@ -1,4 +1,6 @@
-"""Giving the heap's free pages back to the OS after each training step (glibc's ``malloc_trim``).
+"""Giving the heap's free pages back to the OS (glibc's ``malloc_trim``): the learner after each
+training step, an actor after a weight load when glibc holds much free memory (``trim_free_heap``).
+Both services import it (the one module of ``dapo`` that calls into libc: allocator calls only).
 
 Why: a training step allocates and frees activation, gradient and all-gather buffers whose sizes
 follow the batch's lengths. glibc raises its mmap threshold to the size of each freed mmapped block
@@ -9,7 +11,12 @@ the heap; freed, they leave holes between live blocks, which glibc returns only 
 heaps between steps (``memory/heap_free_mb``) that RSS would otherwise count.
 
 The SmolLM2 learner's steady growth (~17 MB a step) was not this: glibc's bytes *in use* grew
-(``heap_stats``), from CPU matmul caches keyed by shape; ``dapo.runtime.LEARNER_ENV`` bounds them.
+(``heap_stats``), from CPU matmul caches keyed by shape; ``dapo.runtime.service_env`` bounds them.
+
+An actor's vLLM engine does the same between weight loads and batches of changing shapes: its RSS
+grew ~5 MB a round of generate + weight load (bench/mem_actor_rss.py, 80 rounds: 2,637 -> 2,971 MB)
+while glibc's bytes in use grew ~1.2 MB a round (the shape caches) and its free bytes the rest;
+with the caches bounded and a trim after each round it was flat at 2,272 MB.
 
 Not ``MALLOC_MMAP_THRESHOLD_`` (every buffer above it mmapped and page-faulted afresh each step):
 as flat, but steps ~30 % slower on this VM. Not jemalloc: an LD_PRELOAD the launcher would have to
@@ -72,3 +79,15 @@ def release_free_heap() -> float:
     t0 = time.perf_counter()
     trim(0)
     return time.perf_counter() - t0
+
+
+ACTOR_TRIM_ABOVE_MB = 256.0
+"""An actor trims after a weight load only when glibc holds more free memory than this (MB): a trim
+costs ~0.1 s and the pages it returns fault in again on the next batch, so not after every load."""
+
+
+def trim_free_heap(above_mb: float = ACTOR_TRIM_ABOVE_MB) -> float:
+    """``release_free_heap`` when the heaps hold more than ``above_mb`` MB free; the seconds it took
+    (0 when it did not trim, or without glibc)."""
+    free = heap_stats().get("memory/heap_free_mb")
+    return release_free_heap() if free is not None and free > above_mb else 0.0
