@@ -229,6 +229,11 @@ def _finish(run_dir: Path, records: list[dict], cfg, learner_rc: int | None, sta
 def target_line(records: list[dict], target: float, started_unix_s: float) -> str:
     from dapo.plots import time_to_target
 
+    if not any("eval/accuracy" in r for r in records):  # learner.eval_every_steps=0: say what there is
+        steps = [r for r in records if "time/step_s" in r]
+        batch = progress_last(records, "train/accuracy")
+        return (f"dapo run: {len(steps)} step(s) trained, no held-out evaluation (learner.eval_every_steps=0)"
+                + (f"; the last batch's accuracy {batch:.3f}" if batch is not None else ""))
     hit = time_to_target(records, "eval/accuracy", target)
     first = next((r["eval/accuracy"] for r in records if "eval/accuracy" in r), None)
     last = progress_last(records, "eval/accuracy")

@@ -225,3 +225,19 @@ def test_dapo_run_leaves_a_cpu_per_actor_and_splits_the_rest_among_the_learner_r
     assert learner_threads(0) == 3 and learner_threads(5) == 5
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert learner_threads(0) == 12
+
+
+def test_the_last_line_says_what_was_measured_with_evaluation_off_or_on():
+    """Evaluation off: the steps trained and the last batch's accuracy, not "None -> None; target not
+    reached"; on: the held-out figures and when the target was reached (or that it was not)."""
+    t0 = 1000.0
+    steps = [{"step": s, "unix_time_s": t0 + 10 * s, "time_s": 10.0 * s, "time/step_s": 10.0, "train/accuracy": 0.1 * s}
+             for s in (1, 2, 3)]
+    assert run.target_line([{"step": 0, "unix_time_s": t0}, *steps], 0.8, t0 - 5) == (
+        "dapo run: 3 step(s) trained, no held-out evaluation (learner.eval_every_steps=0); the last batch's "
+        "accuracy 0.300")
+    evals = [{"step": 0, "unix_time_s": t0, "time_s": 0.0, "eval/accuracy": 0.5}, *steps[:2],
+             {**steps[2], "eval/accuracy": 0.75}]
+    assert run.target_line(evals, 0.8, t0 - 5) == "dapo run: eval accuracy 0.5 -> 0.75; target 0.8 not reached"
+    assert run.target_line(evals, 0.7, t0 - 5).startswith(
+        "dapo run: eval accuracy 0.5 -> 0.75; target 0.7 reached at step 3 in 35.0 s of wall time")
