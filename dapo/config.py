@@ -348,10 +348,10 @@ class LearnerConfig:
 
     num_threads: int = 0
     """torch intra-op threads of each learner rank (0 = auto: the CPUs this process may run on, shared
-    among the node's ranks). Idle threads sleep rather than spin (``OMP_WAIT_POLICY=PASSIVE``,
-    ``dapo.runtime.LEARNER_ENV``), so a rank may count cores it shares with local actors: on 2 cores
-    beside a 1-thread vLLM actor, 2 threads trained SmolLM2 1.48x faster while the actor idled and no
-    slower than 1 thread while it generated (bench/RESULTS.md "Learner threads")."""
+    among the node's ranks; under ``dapo run``, the CPUs left after one per local actor). Idle threads
+    sleep rather than spin (``OMP_WAIT_POLICY=PASSIVE``, ``dapo.runtime.LEARNER_ENV``): beside a busy
+    1-thread process on 2 cores, 2 threads were no slower than 1 and 1.48x faster on idle cores, but a
+    SmolLM2 run beside its vLLM actor was no faster end to end (bench/RESULTS.md "Learner threads")."""
 
     def __post_init__(self) -> None:
         _check(self.num_ranks >= 1, "learner.num_ranks", self.num_ranks, ">= 1")

@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 
 from dapo.config import DapoConfig
+from dapo.heap import heap_stats, release_free_heap
 from learner import checkpoint
 from learner.batch import batch_metrics, from_groups, scatter_batch
-from dapo.heap import heap_stats, release_free_heap
 from learner.rank0 import Rank0Services
 from learner.snapshots import save_snapshot, snapshot_root
 from learner.trainer import Trainer

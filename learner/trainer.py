@@ -61,14 +61,15 @@ from learner.precision import has_native_bf16, resolve_compute_dtype
 if TYPE_CHECKING:
     from torch.distributed.fsdp import OffloadPolicy
 
+FUSED_ADAMW_MIN_PARAMS = 10_000_000
+"""Models with at least this many parameters step AdamW with its fused kernel, smaller ones with foreach
+(module docstring): the embedded tiny model keeps the bit-exact optimizer its tests compare."""
+
 # Metric sums all-reduced once per step; token-weighted unless noted. The sampler–learner log-prob
 # mismatch, per loss token, in nats (μ: the sampler's log-prob of the token it sampled, π_prox: the
 # learner's recompute, or μ itself in bypass mode): train/sampler_prox_abs_logp_diff = mean |log π_prox
 # − log μ|, train/sampler_prox_kl_k3 = KL(μ ‖ π_prox) by Schulman's k3 over the tokens sampled from μ:
 # mean(r − 1 − log r), r = π_prox / μ (unbiased, ≥ 0 per token).
-FUSED_ADAMW_MIN_PARAMS = 10_000_000
-"""Models with at least this many parameters step AdamW with its fused kernel, smaller ones with foreach
-(module docstring): the embedded tiny model keeps the bit-exact optimizer its tests compare."""
 _SUMS = ("loss", "tokens", "entropy", "clipfrac_high", "clipfrac_low", "dualclip_frac", "approx_kl_k1",
          "approx_kl_k3", "importance_weight_mean", "sampler_prox_abs_logp_diff", "sampler_prox_kl_k3")
 
