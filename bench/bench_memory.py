@@ -6,7 +6,8 @@ actors, verifier workers) sampled while it trains, against the learner's step.
 
 Runs ``dapo run`` with ``learner.total_steps=STEPS`` (and ``run.stop_at_target=false``), samples each
 process's RSS every ``--every-s`` seconds with psutil, and maps each sample to the step the learner
-had logged by then (metrics.jsonl). Prints a markdown table (RSS at the end of warm-up, at the end,
+had logged by then (metrics.jsonl); samples after the last step (export, shutdown) are left out. The
+samples are written beside the plot (``.jsonl``); ``--replot`` draws them again. Prints a markdown table (RSS at the end of warm-up, at the end,
 and the growth per 100 steps after warm-up, by least squares) and writes the plot. A leak of one
 copy of the weights a step shows as a straight line; flat after warm-up is the target.
 """
@@ -19,6 +20,7 @@ import os
 import platform
 import subprocess
 import sys
+import textwrap
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -95,11 +97,12 @@ def summarise(rows: list[dict], steps: int, warmup: int) -> tuple[str, dict]:
         # The largest process of a role at a step (several actors: the largest one).
         per_step = by_role.setdefault(r["role"], {})
         per_step.setdefault(r["step"], []).append(r["rss_mb"])
-    lines = ["| process | RSS at step %d MB | RSS at the end MB | growth after warm-up MB / 100 steps |" % warmup,
+    lines = ["| process | RSS at step %d MB | RSS at the last step MB | growth after warm-up MB / 100 steps |" % warmup,
              "|---|---|---|---|"]
     curves = {}
     for name, per_step in sorted(by_role.items()):
-        pts = sorted((s, max(v)) for s, v in per_step.items())
+        # Samples that saw step >= ``steps`` were taken after training ended (export, shutdown): not a step.
+        pts = sorted((s, max(v)) for s, v in per_step.items() if s < steps)
         curves[name] = pts
         after = [(s, v) for s, v in pts if s >= warmup]
         at_warm = next((v for s, v in pts if s >= warmup), float("nan"))
@@ -119,7 +122,7 @@ def plot(curves: dict, out: Path, title: str) -> None:
     ax.set_xlabel("learner step")
     ax.set_ylabel("RSS (MiB)")
     ax.set_ylim(bottom=0)
-    ax.set_title(title, fontsize=9)
+    ax.set_title("\n".join(textwrap.fill(line, 110) for line in title.splitlines()), fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -133,9 +136,19 @@ def main() -> None:
     ap.add_argument("--every-s", type=float, default=0.5)
     ap.add_argument("--run-dir", default="runs/bench-memory")
     ap.add_argument("--out", default="bench/memory.png")
+    ap.add_argument("--replot", metavar="SAMPLES.jsonl",
+                    help="no run: the table and plot again from the samples an earlier run wrote beside its plot")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     warmup = args.warmup_steps or max(1, args.steps // 10)
+    shown = " ".join(["bench/bench_memory.py", f"--steps {args.steps}", *args.overrides])
+    if args.replot:
+        rows = [json.loads(line) for line in Path(args.replot).read_text().splitlines()]
+        table, curves = summarise(rows, args.steps, warmup)
+        written = datetime.fromtimestamp(Path(args.replot).stat().st_mtime, timezone.utc)
+        plot(curves, Path(args.out), f"{shown}\nsamples {Path(args.replot).name}, written {written:%Y-%m-%d %H:%M} UTC")
+        print(table)
+        return
     run_dir = Path(args.run_dir)
     cmd = [sys.executable, "-m", "dapo.cli", "run", f"learner.total_steps={args.steps}", "run.stop_at_target=false",
            f"run.run_dir={run_dir}", *args.overrides]
@@ -146,7 +159,6 @@ def main() -> None:
     rows = sample(run, run_dir / "metrics.jsonl", args.every_s)
     wall = time.monotonic() - t0
     table, curves = summarise(rows, args.steps, warmup)
-    shown = " ".join(["bench/bench_memory.py", f"--steps {args.steps}", *args.overrides])
     title = f"{shown}\n{started:%Y-%m-%d %H:%M} UTC, {platform.node()}, {os.cpu_count()} CPUs, exit {run.returncode}"
     plot(curves, Path(args.out), title)
     Path(args.out).with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
