@@ -100,7 +100,9 @@ TUNED: dict[str, PeerKnobs] = {
     # SmolLM2-135M (experiment=smollm2_arith), 2 threads, checkpointing off, lr dapo's preset lr: on an
     # AMX CPU bf16 autocast was the faster precision (issue 22: 43 s a batch, fp32 60 s); on the 2-vCPU
     # EPYC without AMX the two tie (2026-12-02, one run each: bf16 226 / 153 s, fp32 208 / 162 / 151 s;
-    # bench/RESULTS.md "A real model"). Not tuned over lr or threads yet (~150 s a batch).
+    # bench/RESULTS.md "A real model"). Not tuned over threads; lr 3e-5 reached held-out 0.8 in 4 batches
+    # against 6 at 1e-5 in one seed (2026-12-04, RESULTS "the race with the instrument outside both runs"):
+    # a 2-seed lr grid should decide it before the next race.
     "smollm2_arith": PeerKnobs(learning_rate=1e-5, bf16=True, gradient_checkpointing=False, threads=2),
 }
 """The setting each comparison uses: the best of ``tune`` on that workload. To update one, run its
