@@ -6,9 +6,10 @@ actors, verifier workers) sampled while it trains, against the learner's step.
 
 Runs ``dapo run`` with ``learner.total_steps=STEPS`` (and ``run.stop_at_target=false``), samples each
 process's RSS every ``--every-s`` seconds with psutil, and maps each sample to the step the learner
-had logged by then (metrics.jsonl); samples after the last step (export, shutdown) are left out. The
-samples are written beside the plot (``.jsonl``); ``--replot`` draws them again. Prints a markdown table (RSS at the end of warm-up, at the end,
-and the growth per 100 steps after warm-up, by least squares) and writes the plot. A leak of one
+had logged by then (metrics.jsonl); samples after the last step (export, shutdown) are left out.
+Prints a markdown table (RSS at the end of warm-up, at the last step, and the growth per 100 steps
+after warm-up, by least squares) and writes the plot, with the samples beside it (``.jsonl``:
+``--replot`` draws them again). A leak of one
 copy of the weights a step shows as a straight line; flat after warm-up is the target.
 """
 
@@ -144,28 +145,26 @@ def main() -> None:
     shown = " ".join(["bench/bench_memory.py", f"--steps {args.steps}", *args.overrides])
     if args.replot:
         rows = [json.loads(line) for line in Path(args.replot).read_text().splitlines()]
-        table, curves = summarise(rows, args.steps, warmup)
         written = datetime.fromtimestamp(Path(args.replot).stat().st_mtime, timezone.utc)
-        plot(curves, Path(args.out), f"{shown}\nsamples {Path(args.replot).name}, written {written:%Y-%m-%d %H:%M} UTC")
-        print(table)
-        return
-    run_dir = Path(args.run_dir)
-    cmd = [sys.executable, "-m", "dapo.cli", "run", f"learner.total_steps={args.steps}", "run.stop_at_target=false",
-           f"run.run_dir={run_dir}", *args.overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    started = datetime.now(timezone.utc)
-    t0 = time.monotonic()
-    run = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    rows = sample(run, run_dir / "metrics.jsonl", args.every_s)
-    wall = time.monotonic() - t0
+        title, header = f"{shown}\nsamples {Path(args.replot).name}, written {written:%Y-%m-%d %H:%M} UTC", ""
+    else:
+        run_dir = Path(args.run_dir)
+        cmd = [sys.executable, "-m", "dapo.cli", "run", f"learner.total_steps={args.steps}",
+               "run.stop_at_target=false", f"run.run_dir={run_dir}", *args.overrides]
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        started = datetime.now(timezone.utc)
+        t0 = time.monotonic()
+        run = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        rows = sample(run, run_dir / "metrics.jsonl", args.every_s)
+        wall = time.monotonic() - t0
+        title = f"{shown}\n{started:%Y-%m-%d %H:%M} UTC, {platform.node()}, {os.cpu_count()} CPUs, exit {run.returncode}"
+        Path(args.out).with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        header = (f"`.venv/bin/python {shown}` — {started:%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, "
+                  f"{wall:.0f} s wall, exit {run.returncode}, {latest_step(run_dir / 'metrics.jsonl')} steps; "
+                  f"warm-up = the first {warmup} steps; plot {args.out}\n\n")
     table, curves = summarise(rows, args.steps, warmup)
-    title = f"{shown}\n{started:%Y-%m-%d %H:%M} UTC, {platform.node()}, {os.cpu_count()} CPUs, exit {run.returncode}"
     plot(curves, Path(args.out), title)
-    Path(args.out).with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    print(f"`.venv/bin/python {shown}` — {started:%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, "
-          f"{wall:.0f} s wall, exit {run.returncode}, {latest_step(run_dir / 'metrics.jsonl')} steps; "
-          f"warm-up = the first {warmup} steps; plot {args.out}\n")
-    print(table)
+    print(header + table)
 
 
 if __name__ == "__main__":
