@@ -410,9 +410,11 @@ class TransportConfig:
     again, in seconds."""
     curve_server_secret_key: str = ""
     """Z85 CURVE secret key of the replay queue ('' = no encryption). Actors then need
-    ``curve_server_public_key``."""
+    ``curve_server_public_key``. On a command line quote it and write any ``${`` in it as ``\\${``:
+    Z85 keys hold characters of Hydra's grammar, and ``${`` starts an interpolation."""
     curve_server_public_key: str = ""
-    """Z85 CURVE public key of the replay queue, given to actors outside a trusted network."""
+    """Z85 CURVE public key of the replay queue, given to actors outside a trusted network (quoted
+    and escaped on a command line as the secret key)."""
 
     def __post_init__(self) -> None:
         for key in ("grpc_port", "zmq_port"):
@@ -590,7 +592,8 @@ def load_config(overrides: list[str] | tuple[str, ...] = ()) -> DapoConfig:
         raise
     except (OmegaConfBaseException, HydraException) as exc:
         cause = f" ({str(exc.__cause__).splitlines()[0]})" if exc.__cause__ else ""  # says what was expected
-        raise ConfigError(f"invalid config override: {exc}{cause}{_did_you_mean(overrides)}".strip()) from None
+        raise ConfigError(f"invalid config override: {exc}{cause}{_did_you_mean(overrides)}{_escape_hint(overrides)}"
+                          .strip()) from None
     assert isinstance(cfg, DapoConfig)
     return cfg
 
@@ -636,6 +639,16 @@ def _did_you_mean(overrides: list[str] | tuple[str, ...]) -> str:
         if "." in key and key not in known:
             near = [RENAMED_KEYS[key]] if key in RENAMED_KEYS else difflib.get_close_matches(key, known, 2, 0.8)
             return f"; did you mean {' or '.join(near)}?" if near else ""
+    return ""
+
+
+def _escape_hint(overrides: list[str] | tuple[str, ...]) -> str:
+    """A value holding ``${`` (a random Z85 key or token can) is read as an interpolation: say how
+    to write it literally."""
+    for item in overrides:
+        if "${" in item.partition("=")[2].replace("\\${", ""):
+            return (f"; `{item.partition('=')[0]}`'s value holds `${{`, which starts an interpolation: "
+                    f"to mean it literally, quote the value and write `\\${{`")
     return ""
 
 

@@ -99,8 +99,9 @@ def trained_a_group_of(c: Cluster, actor_id: int) -> bool:
 @pytest.mark.timeout(300)
 def test_a_partitioned_actor_heals_and_the_run_loses_and_repeats_nothing(tmp_path, model_path, network):
     hosts = {name: network.add_host(name) for name in ("learner", "actor0", "actor1")}
-    # Quoted: Z85 keys hold characters of Hydra's override grammar ([, ], =, ...).
-    public, secret = (f"'{key.decode()}'" for key in zmq.curve_keypair())
+    # Quoted: Z85 keys hold characters of Hydra's override grammar ([, ], =, ...); escaped: `${`
+    # (one key in ~300) would start an interpolation.
+    public, secret = (f"'{key.decode()}'".replace("${", "\\${") for key in zmq.curve_keypair())
     # Until stopped (total_steps=0): the run lasts as long as the partition, the heal and the
     # healed actor's return take under this machine's load, then a SIGTERM ends it.
     c = cluster(tmp_path, model_path, hosts["learner"], hosts, "learner.total_steps=0",

@@ -3,6 +3,7 @@
 import dataclasses
 
 import pytest
+from zmq.utils import z85
 
 from dapo.config import CONF_DIR, AlgorithmConfig, ConfigError, load_config
 
@@ -116,6 +117,16 @@ def test_errors_say_what_was_expected():
         load_config(["algorithm.eps_low=abc"])
     with pytest.raises(ConfigError, match="expected one of .*eps_high"):
         load_config(["+algorithm.eps_hihg=0.3"])
+
+
+def test_a_z85_key_holding_an_interpolation_start_loads_escaped_and_unescaped_says_how():
+    key = "m+dhbYk7Mn.7&JuO2{I0J*j5{Msy${kr036!L}H?"  # a real zmq.curve_keypair() secret
+    assert len(z85.decode(key.encode())) == 32
+    escaped = key.replace("${", "\\${")
+    cfg = load_config([f"transport.curve_server_secret_key='{escaped}'"])
+    assert cfg.transport.curve_server_secret_key == key
+    with pytest.raises(ConfigError, match=r"`transport.curve_server_secret_key`'s value holds `\$\{`.*write `\\\$\{`"):
+        load_config([f"transport.curve_server_secret_key='{key}'"])
 
 
 def test_weight_backend_must_be_a_registered_one_and_the_old_weight_keys_are_gone():
