@@ -333,10 +333,14 @@ def plot(rows_raw: dict[str, list[tuple[float, float]]], path: Path, target: flo
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # One colour a configuration (the label less its seed): dapo blue, each peer setting its own.
+    configs = dict.fromkeys(label.rsplit(" seed", 1)[0] for label in rows_raw)
+    peer_colours = iter(["tab:orange", "tab:red", "tab:purple", "tab:brown", "tab:olive"])
+    colour = {c: "tab:blue" if c.startswith("dapo") else next(peer_colours, "tab:gray") for c in configs}
     fig, ax = plt.subplots(figsize=(7, 4))
     for label, pts in rows_raw.items():
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=label,
-                color="tab:blue" if label.startswith("dapo") else "tab:orange")
+                color=colour[label.rsplit(" seed", 1)[0]])
     ax.axhline(target, color="grey", lw=0.8, ls="--")
     ax.set_xlabel(xlabel)
     ax.set_ylabel("held-out accuracy")
