@@ -279,23 +279,48 @@ def summary(rows: list[dict], target: float) -> str:
     for r in rows:
         by.setdefault((r["system"], r["config"]), []).append(r)
     means, step_ends = {}, {}
-    for (system, config), rs in by.items():
+    for key, rs in by.items():
         done = [r for r in rs if r["reached"]]
         if len(done) < len(rs):
-            out.append(f"- {system} ({config}): {len(rs) - len(done)} of {len(rs)} runs did not reach {target}")
+            out.append(f"- {key[0]} ({key[1]}): {len(rs) - len(done)} of {len(rs)} runs did not reach {target}"
+                       + (" (the mean below is of those that did)" if done else ""))
         if done:
-            means[system] = statistics.mean(r["wall_s"] for r in done)
-            step_ends[system] = statistics.mean(r["step_end_s"] for r in done)
-            out.append(f"- {system} ({config}): mean wall to {target} **{means[system]:.1f} s**, training "
+            means[key] = statistics.mean(r["wall_s"] for r in done)
+            step_ends[key] = statistics.mean(r["step_end_s"] for r in done)
+            out.append(f"- {key[0]} ({key[1]}): mean wall to {target} **{means[key]:.1f} s**, training "
                        f"{statistics.mean(r['train_s'] for r in done):.1f} s, batches "
                        f"{statistics.mean(r['batches'] for r in done):.0f}, s/step "
                        f"{statistics.mean(r['s_per_step'] for r in done):.3f}")
-    if "trl" in means and "dapo" in means:
-        out.append(f"- ratio TRL / dapo (mean wall to {target}): **{means['trl'] / means['dapo']:.2f}x**")
-        out.append(f"- the end of the step whose weights score >= {target} (before its evaluation reported): "
-                   f"dapo {step_ends['dapo']:.1f} s, TRL {step_ends['trl']:.1f} s, ratio "
-                   f"**{step_ends['trl'] / step_ends['dapo']:.2f}x**")
+    dapo = next((k for k in means if k[0] == "dapo"), None)
+    for peer in [k for k in means if k[0] == "trl"] if dapo else []:
+        out.append(f"- ratio TRL ({peer[1]}) / dapo (mean wall to {target}): **{means[peer] / means[dapo]:.2f}x**; "
+                   f"the end of the step whose weights score >= {target}: dapo {step_ends[dapo]:.1f} s, TRL "
+                   f"{step_ends[peer]:.1f} s, ratio **{step_ends[peer] / step_ends[dapo]:.2f}x**")
     return "\n".join(out)
+
+
+TARGETS = (0.65, 0.7, 0.75, 0.8, 0.85, 0.9)
+"""The accuracies ``targets_table`` reports wall time to: a peer that peaks and falls back (TRL at a
+high lr) wins or loses by the target chosen, so the table shows them all."""
+
+
+def targets_table(rows: list[dict]) -> str:
+    """Mean wall time (command start to the first evaluation after version 0 scoring >= each target) per
+    system and setting, over the seeds that reached it; "n/m" says how many of m did."""
+    by = {}
+    for r in rows:
+        by.setdefault((r["system"], r["config"]), []).append(r)
+    lines = ["Wall time (s) to each held-out accuracy, mean over the seeds that reached it (reached / runs):", "",
+             "| system | config | " + " | ".join(f"{t:g}" for t in TARGETS) + " |",
+             "|---|---|" + "---|" * len(TARGETS)]
+    for (system, config), rs in by.items():
+        cells = []
+        for t in TARGETS:
+            hits = [next((w for w, a in r["curve"][1:] if a >= t), None) for r in rs if r.get("curve")]
+            hits = [h for h in hits if h is not None]
+            cells.append(f"{statistics.mean(hits):.0f} ({len(hits)}/{len(rs)})" if hits else f"— (0/{len(rs)})")
+        lines.append(f"| {system} | {config} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def breakdown_table(rows: list[dict], workload: str) -> str:
@@ -353,14 +378,15 @@ def load_avg() -> str:
     return " / ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
-def peer_knobs(args: argparse.Namespace) -> PeerKnobs:
-    """``TUNED[workload]`` with the ``--trl-*`` overrides."""
+def peer_knobs(args: argparse.Namespace) -> list[PeerKnobs]:
+    """``TUNED[workload]`` with the ``--trl-*`` overrides: one setting for each ``--trl-lr``."""
     base = TUNED[args.workload]
-    return PeerKnobs(learning_rate=base.learning_rate if args.trl_lr is None else args.trl_lr,
-                     bf16=base.bf16 if args.trl_bf16 is None else args.trl_bf16,
-                     gradient_checkpointing=base.gradient_checkpointing if args.trl_checkpointing is None
-                     else args.trl_checkpointing,
-                     threads=base.threads if args.trl_threads is None else args.trl_threads)
+    return [PeerKnobs(learning_rate=lr,
+                      bf16=base.bf16 if args.trl_bf16 is None else args.trl_bf16,
+                      gradient_checkpointing=base.gradient_checkpointing if args.trl_checkpointing is None
+                      else args.trl_checkpointing,
+                      threads=base.threads if args.trl_threads is None else args.trl_threads)
+            for lr in (args.trl_lr or [base.learning_rate])]
 
 
 def main() -> None:
@@ -373,7 +399,9 @@ def main() -> None:
                              "(default: 200 for default, 40 for smollm2_arith)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--target", type=float, default=TARGET, help="held-out accuracy to reach")
-    parser.add_argument("--trl-lr", type=float, default=None, help="override the peer's tuned lr")
+    parser.add_argument("--trl-lr", type=float, nargs="+", default=None,
+                        help="override the peer's tuned lr; several values: the peer runs at each, every seed, "
+                             "one row and one ratio to dapo per value")
     parser.add_argument("--trl-threads", type=int, default=None, help="override the peer's tuned torch threads")
     parser.add_argument("--trl-bf16", action=argparse.BooleanOptionalAction, default=None,
                         help="override the peer's tuned precision (bf16 autocast / fp32)")
@@ -421,26 +449,27 @@ def main() -> None:
 
 
 def compare(args: argparse.Namespace, work: Path, loads: list[str], head: str) -> str:
-    knobs, rows = peer_knobs(args), []
+    settings, rows = peer_knobs(args), []
     max_batches = args.max_batches or MAX_BATCHES[args.workload]
     for seed in args.seeds:  # interleaved: machine load drifts hit both sides alike
         if args.only != "trl":
             rows.append(run_dapo(seed, work, args.dapo_override, args.target, args.workload, max_batches,
                                  args.instrument, args.score_k))
             print(table([rows[-1]], args.target).splitlines()[-1], rows[-1].get("startup", ""), flush=True)
-        if args.only != "dapo":
+        for knobs in settings if args.only != "dapo" else []:
             rows.append(run_trl(seed, knobs, work, args.target, args.workload, max_batches, args.instrument,
                                 args.score_k))
             print(table([rows[-1]], args.target).splitlines()[-1], flush=True)
         loads.append(load_avg())
     report = (f"{head}, load average (1/5/15 min) before and after each seed: {'; '.join(loads)}\n\n"
               + table(rows, args.target) + "\n\n" + summary(rows, args.target) + "\n\n"
-              + breakdown_table(rows, args.workload) + "\n")
+              + targets_table(rows) + "\n\n" + breakdown_table(rows, args.workload) + "\n")
     startups = [r["startup"] for r in rows if r.get("startup")]
     if startups:
         report += "\ndapo start-up lines:\n\n" + "\n".join(f"    {s}" for s in startups) + "\n"
     if args.png:
-        curves = {f"{r['system']} seed {r['seed']}": r["curve"] for r in rows if r.get("curve")}
+        curves = {f"{r['system']}{'' if r['system'] == 'dapo' or len(settings) == 1 else ' ' + r['config']} "
+                  f"seed {r['seed']}": r["curve"] for r in rows if r.get("curve")}
         plot(curves, Path(args.png), args.target, xlabel="wall time from command start to the snapshot's write (s)"
              if args.instrument == "offline" else "wall time from command start to the evaluation's report (s)")
     return report
