@@ -273,11 +273,17 @@ def table(rows: list[dict], target: float) -> str:
     return "\n".join(lines)
 
 
-def summary(rows: list[dict], target: float) -> str:
-    out = []
-    by = {}
+def by_setting(rows: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """The rows grouped by (system, config), in their first appearance's order: one group a setting's seeds."""
+    by: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
         by.setdefault((r["system"], r["config"]), []).append(r)
+    return by
+
+
+def summary(rows: list[dict], target: float) -> str:
+    out = []
+    by = by_setting(rows)
     means, step_ends = {}, {}
     for key, rs in by.items():
         done = [r for r in rs if r["reached"]]
@@ -307,9 +313,7 @@ high lr) wins or loses by the target chosen, so the table shows them all."""
 def targets_table(rows: list[dict]) -> str:
     """Mean wall time (command start to the first evaluation after version 0 scoring >= each target) per
     system and setting, over the seeds that reached it; "n/m" says how many of m did."""
-    by = {}
-    for r in rows:
-        by.setdefault((r["system"], r["config"]), []).append(r)
+    by = by_setting(rows)
     lines = ["Wall time (s) to each held-out accuracy, mean over the seeds that reached it (reached / runs):", "",
              "| system | config | " + " | ".join(f"{t:g}" for t in TARGETS) + " |",
              "|---|---|" + "---|" * len(TARGETS)]
