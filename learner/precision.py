@@ -17,9 +17,9 @@ kernels are slower on short spans); on a GPU in bf16.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
+
+from dapo import hardware
 
 AUTO_BF16_MIN_PARAMS = 10_000_000
 """``auto`` keeps float32 below this many parameters: toy and test models, the embedded tiny model
@@ -31,33 +31,10 @@ in fp32 the learner's log-probs equal the fp32 sampler's to 4e-7 per token (test
 (``--sampled``), and
 the run's curves would change. ``learner.compute_dtype=bfloat16`` opts in."""
 
-_CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
-"""/proc/cpuinfo flags of x86 CPUs with bf16 dot-product instructions. Without them oneDNN still
-runs bf16 (``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` is true on any AVX-512 CPU) but by
-converting to fp32, which is no faster than fp32."""
-
-
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
-    """The first CPU's feature flags (x86 ``flags``, aarch64 ``Features``); empty where unreadable."""
-    try:
-        text = cpuinfo.read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            return set(value.split())
-    return set()
-
-
 def has_native_bf16(device: torch.device) -> bool:
     """bf16 matmuls run natively (faster than fp32) on ``device``: a CUDA GPU that supports them
-    (Ampere or later), or a CPU with AMX or AVX512-BF16."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported(including_emulation=False)
-    if device.type == "cpu":
-        return any(f in cpu_flags() for f in _CPU_BF16_FLAGS)
-    return False
+    (Ampere or later), or a CPU with AMX or AVX512-BF16 (dapo/hardware.py)."""
+    return hardware.has_native_bf16(device.type)
 
 
 def resolve_compute_dtype(setting: str, *, model_dtype: str, num_params: int, native_bf16: bool) -> torch.dtype:

@@ -83,10 +83,13 @@ def test_asking_for_more_problems_than_a_split_holds_says_so():
         arith.sample_problems("eval", 1, seed=0, kinds=("cube",))
 
 
-def test_smollm2_arith_preset():
+def test_smollm2_arith_preset(monkeypatch):
+    from dapo import hardware
+
+    monkeypatch.setattr(hardware, "engine_native_bf16", lambda: False)  # an AVX2-only CPU: model.dtype=auto is fp32
     cfg = load_config(["experiment=smollm2_arith"])
     assert (cfg.model.path, cfg.model.dtype, cfg.data.train_path, cfg.data.eval_path, cfg.data.prompt_template) == (
-        "builtin:smollm2-135m-instruct", "bfloat16", "builtin:arith", "builtin:arith", "chat")
+        "builtin:smollm2-135m-instruct", "float32", "builtin:arith", "builtin:arith", "chat")
     assert (cfg.learner.lr, cfg.algorithm.num_prompts_per_step, cfg.algorithm.num_samples_per_prompt,
             cfg.actor.max_response_tokens, cfg.algorithm.max_staleness_steps, cfg.actor.temperature) == (
         1e-5, 8, 8, 48, 1, 1.0)

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from learner.precision import AUTO_BF16_MIN_PARAMS, cpu_flags, resolve_compute_dtype
+from dapo.hardware import cpu_flags, cpu_has_native_bf16, resolve_model_dtype
+from learner.precision import AUTO_BF16_MIN_PARAMS, resolve_compute_dtype
 from tests.unit.test_trainer import REF_STEPS, REF_TEMPERATURE, _ref_settings, _ref_shard, local, tiny_model
 
 BF16 = torch.bfloat16
@@ -48,6 +49,38 @@ def test_cpu_flags_reads_x86_and_aarch64_cpuinfo(tmp_path):
     arm.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")
     assert cpu_flags(arm) == {"fp", "asimd", "bf16"}
     assert cpu_flags(tmp_path / "absent") == set()
+
+
+def test_native_bf16_cpus_are_those_with_avx512_bf16_or_amx(tmp_path):
+    def cpu(flags: str) -> Path:
+        path = tmp_path / flags.replace(" ", "_")
+        path.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        return path
+
+    assert not cpu_has_native_bf16(cpu("fpu avx avx2 fma"))  # AMD EPYC Zen 1/2: bf16 is emulated, minutes a step
+    assert not cpu_has_native_bf16(cpu("fpu avx2 avx512f avx512bw"))  # AVX-512 alone converts to fp32
+    assert cpu_has_native_bf16(cpu("fpu avx512f avx512_bf16"))
+    assert cpu_has_native_bf16(cpu("fpu amx_tile amx_bf16"))
+    assert not cpu_has_native_bf16(tmp_path / "absent")
+
+
+def test_model_dtype_auto_is_bf16_only_on_native_hardware_and_is_decided_at_load(monkeypatch, tmp_path):
+    from dapo import hardware
+    from dapo.config import load_config, load_resolved, save_resolved
+
+    assert resolve_model_dtype("auto", native_bf16=True) == "bfloat16"
+    assert resolve_model_dtype("auto", native_bf16=False) == "float32"
+    for explicit in ("float32", "bfloat16"):  # an explicit dtype wins on any hardware
+        assert resolve_model_dtype(explicit, native_bf16=explicit == "float32") == explicit
+    for native, want in ((False, "float32"), (True, "bfloat16")):
+        monkeypatch.setattr(hardware, "engine_native_bf16", lambda native=native: native)
+        assert load_config(["model.dtype=auto"]).model.dtype == want
+        assert load_config(["model.dtype=bfloat16"]).model.dtype == "bfloat16"
+    # A config file that says auto (hand-written, or from an older dapo) is decided where it is read.
+    cfg = load_config(["model.dtype=float32", f"run.run_dir={tmp_path}"])
+    path = save_resolved(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, dtype="auto")))
+    monkeypatch.setattr(hardware, "engine_native_bf16", lambda: False)
+    assert load_resolved(path).model.dtype == "float32"
 
 
 def _trainer(compute_dtype: str, chunk_tokens: int = 1024):
