@@ -97,13 +97,14 @@ TUNED: dict[str, PeerKnobs] = {
     # tokens/s (3606 against 3361 with checkpointing off: within one seed's noise, but the rule takes the
     # best); lr is dapo's (learner.lr: the benchmark measures throughput, not learning).
     "long_response": PeerKnobs(learning_rate=1e-4, bf16=False, gradient_checkpointing=True, threads=2),
-    # SmolLM2-135M (experiment=smollm2_arith), 2 threads, checkpointing off, lr dapo's preset lr: on an
-    # AMX CPU bf16 autocast was the faster precision (issue 22: 43 s a batch, fp32 60 s); on the 2-vCPU
-    # EPYC without AMX the two tie (2026-12-02, one run each: bf16 226 / 153 s, fp32 208 / 162 / 151 s;
-    # bench/RESULTS.md "A real model"). Not tuned over threads; lr 3e-5 reached held-out 0.8 in 4 batches
-    # against 6 at 1e-5 in one seed (2026-12-04, RESULTS "the race with the instrument outside both runs"):
-    # a 2-seed lr grid should decide it before the next race.
-    "smollm2_arith": PeerKnobs(learning_rate=1e-5, bf16=True, gradient_checkpointing=False, threads=2),
+    # SmolLM2-135M (experiment=smollm2_arith), 2 threads, checkpointing off: on an AMX CPU bf16 autocast was
+    # the faster precision (issue 22: 43 s a batch, fp32 60 s); on the 2-vCPU EPYC with AVX512-BF16 the
+    # two tie (2026-12-02, one run each: bf16 226 / 153 s, fp32 208 / 162 / 151 s; bench/RESULTS.md "A real
+    # model"); on a CPU without bf16 hardware vs_trl.peer_knobs makes it fp32. lr from the grid of
+    # 2026-12-05 (RESULTS "the peer's lr over 2 seeds", bf16 on the AVX512-BF16 EPYC): 5e-5 was the
+    # fastest to held-out 0.8 (318 s, seed 0; seed 1 not measured), 3e-5 416 / 505 s, 1e-4 collapsed
+    # after 3 batches on seed 0, 1e-5 655 s (2026-12-04).
+    "smollm2_arith": PeerKnobs(learning_rate=5e-5, bf16=True, gradient_checkpointing=False, threads=2),
 }
 """The setting each comparison uses: the best of ``tune`` on that workload. To update one, run its
 tuning with ``--append bench/RESULTS.md`` on a quiet machine, paste the printed line here and say

@@ -383,10 +383,17 @@ def load_avg() -> str:
 
 
 def peer_knobs(args: argparse.Namespace) -> list[PeerKnobs]:
-    """``TUNED[workload]`` with the ``--trl-*`` overrides: one setting for each ``--trl-lr``."""
+    """``TUNED[workload]`` with the ``--trl-*`` overrides: one setting for each ``--trl-lr``. A tuned bf16
+    becomes fp32 on a CPU without bf16 hardware (AVX512-BF16 / AMX), as dapo's ``model.dtype=auto`` does:
+    emulated bf16 is several times slower than fp32 there, and the peer is run at its best."""
+    from dapo.hardware import cpu_has_native_bf16
+
     base = TUNED[args.workload]
+    bf16 = base.bf16 and cpu_has_native_bf16()
+    if base.bf16 and not bf16 and args.trl_bf16 is None:
+        print(f"peer: TUNED[{args.workload!r}] says bf16 autocast; this CPU has no avx512_bf16 / amx_bf16: fp32")
     return [PeerKnobs(learning_rate=lr,
-                      bf16=base.bf16 if args.trl_bf16 is None else args.trl_bf16,
+                      bf16=bf16 if args.trl_bf16 is None else args.trl_bf16,
                       gradient_checkpointing=base.gradient_checkpointing if args.trl_checkpointing is None
                       else args.trl_checkpointing,
                       threads=base.threads if args.trl_threads is None else args.trl_threads)
