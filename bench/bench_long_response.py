@@ -71,7 +71,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.peer_trl import TUNED, choose, knob_grid, run_peer, tune, tune_table  # noqa: E402
+from bench.peer_trl import choose, knob_grid, run_peer, tune, tune_table, tuned  # noqa: E402
 from dapo.plots import read_metrics  # noqa: E402
 
 MODES = {"between_batches": ["actor.update_mode=between_batches"],
@@ -175,7 +175,7 @@ def summarise(run_dir: Path, readings: dict[int, dict[str, float]], skip_steps: 
 def run_trl(work: Path, seed: int, steps: int, skip_steps: int) -> dict[str, float]:
     """One peer run (bench/peer_trl.py, ``TUNED["long_response"]``), no held-out evaluation;
     samples/s and tokens/s over the same steady-state steps as dapo's."""
-    raw = run_peer("long_response", TUNED["long_response"], seed=seed, max_batches=steps, work=work,
+    raw = run_peer("long_response", tuned("long_response"), seed=seed, max_batches=steps, work=work,
                    name=f"trl-seed{seed}")
     batches = [b for b in raw["batches"] if "end_unix_s" in b]
     steady = batches[skip_steps:]  # the same steps as dapo's steady state

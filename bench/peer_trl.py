@@ -56,7 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,7 +100,7 @@ TUNED: dict[str, PeerKnobs] = {
     # SmolLM2-135M (experiment=smollm2_arith), 2 threads, checkpointing off: on an AMX CPU bf16 autocast was
     # the faster precision (issue 22: 43 s a batch, fp32 60 s); on the 2-vCPU EPYC with AVX512-BF16 the
     # two tie (2026-12-02, one run each: bf16 226 / 153 s, fp32 208 / 162 / 151 s; bench/RESULTS.md "A real
-    # model"); on a CPU without bf16 hardware vs_trl.peer_knobs makes it fp32. lr from the grid of
+    # model"); on a CPU without bf16 hardware `tuned` makes it fp32. lr from the grid of
     # 2026-12-05 (RESULTS "the peer's lr over 2 seeds", bf16 on the AVX512-BF16 EPYC): 5e-5 was the
     # fastest to held-out 0.8 (318 s, seed 0; seed 1 not measured), 3e-5 416 / 505 s, 1e-4 collapsed
     # after 3 batches on seed 0, 1e-5 655 s (2026-12-04).
@@ -109,6 +109,19 @@ TUNED: dict[str, PeerKnobs] = {
 """The setting each comparison uses: the best of ``tune`` on that workload. To update one, run its
 tuning with ``--append bench/RESULTS.md`` on a quiet machine, paste the printed line here and say
 in its comment the date and the RESULTS.md section that holds the table."""
+
+
+def tuned(workload: str) -> PeerKnobs:
+    """``TUNED[workload]`` for this machine: a tuned bf16 autocast becomes fp32 on a CPU without bf16
+    hardware (AVX512-BF16 / AMX), as dapo's ``model.dtype=auto`` does: emulated bf16 is several times
+    slower than fp32 there, and the peer is run at its best."""
+    from dapo.hardware import cpu_has_native_bf16
+
+    knobs = TUNED[workload]
+    if knobs.bf16 and not cpu_has_native_bf16():
+        print(f"peer: TUNED[{workload!r}] says bf16 autocast; this CPU has no avx512_bf16 / amx_bf16: fp32")
+        knobs = replace(knobs, bf16=False)
+    return knobs
 
 
 @dataclass(frozen=True)

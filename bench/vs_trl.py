@@ -66,8 +66,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.peer_trl import (TUNED, WORKLOADS, PeerKnobs, batch_seconds, choose, knob_grid, run_peer,  # noqa: E402
-                            tune, tune_table)
+from bench.peer_trl import (WORKLOADS, PeerKnobs, batch_seconds, choose, knob_grid, run_peer,  # noqa: E402
+                            tune, tune_table, tuned)
 
 DAPO = Path(sys.executable).with_name("dapo")
 """`dapo run` of the venv this harness runs in (.venv/bin/dapo)."""
@@ -383,17 +383,10 @@ def load_avg() -> str:
 
 
 def peer_knobs(args: argparse.Namespace) -> list[PeerKnobs]:
-    """``TUNED[workload]`` with the ``--trl-*`` overrides: one setting for each ``--trl-lr``. A tuned bf16
-    becomes fp32 on a CPU without bf16 hardware (AVX512-BF16 / AMX), as dapo's ``model.dtype=auto`` does:
-    emulated bf16 is several times slower than fp32 there, and the peer is run at its best."""
-    from dapo.hardware import cpu_has_native_bf16
-
-    base = TUNED[args.workload]
-    bf16 = base.bf16 and cpu_has_native_bf16()
-    if base.bf16 and not bf16 and args.trl_bf16 is None:
-        print(f"peer: TUNED[{args.workload!r}] says bf16 autocast; this CPU has no avx512_bf16 / amx_bf16: fp32")
+    """``peer_trl.tuned(workload)`` with the ``--trl-*`` overrides: one setting for each ``--trl-lr``."""
+    base = tuned(args.workload)
     return [PeerKnobs(learning_rate=lr,
-                      bf16=bf16 if args.trl_bf16 is None else args.trl_bf16,
+                      bf16=base.bf16 if args.trl_bf16 is None else args.trl_bf16,
                       gradient_checkpointing=base.gradient_checkpointing if args.trl_checkpointing is None
                       else args.trl_checkpointing,
                       threads=base.threads if args.trl_threads is None else args.trl_threads)
