@@ -187,7 +187,9 @@ def test_collective_weights_reach_an_actor_on_another_host(tmp_path, model_path,
     assert "connectFullMesh failed" not in actor_log + c.learner_log.read_text(), actor_log[-3000:]
     final = re.search(r"final: v(\d+) .*weight_loads=(\d+) \(collective (\d+)\)", actor_log)
     assert final, actor_log[-3000:]
-    assert int(final[3]) >= 1 and int(final[1]) == total_steps, final[0]  # the last version came too
+    # Every version reached the actor (the broadcasts above each completed with its one member); which
+    # of them it loaded is timing: under load it hears the shutdown before it loads the last one.
+    assert int(final[3]) >= 1 and int(final[1]) in (total_steps - 1, total_steps), final[0]
     report = audit_run(c.run_dir, total_steps=total_steps, num_prompts_per_step=N, max_staleness_steps=K)
     assert check_audit(report) == [], report
     print(f"collective across hosts: {total_steps} steps in {time.monotonic() - started:.1f} s; actor loaded "
