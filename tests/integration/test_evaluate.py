@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.evaluate import PromptResult, main, pass_at_k, summarize
+from actors.evaluate import PromptResult, heldout_mismatch, main, pass_at_k, summarize
 from tests.procs import soak_only
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,6 +118,18 @@ def test_prompt_too_long_is_an_error_by_default(capsys):
     # The tiny model has 512 positions; one AIME 2024 prompt alone is longer than that.
     err = _main_error(["builtin:tiny", str(AIME), "--max-response-tokens", "16"], capsys)
     assert "--skip-long-prompts" in err and "--max-response-tokens" in err
+
+
+def test_a_builtin_set_other_than_the_presets_held_out_set_is_named():
+    # `dapo eval <export> builtin experiment=smollm2_arith` scored the arithmetic export 0.0 on the
+    # embedded default's task; the run had reported 0.98 on builtin:arith.
+    assert heldout_mismatch("builtin", "builtin:arith") == (
+        "DATA is 'builtin', but this config's held-out set (data.eval_path, what training evaluates) is "
+        "'builtin:arith': pass builtin:arith as DATA to reproduce the run's held-out figure")
+    assert heldout_mismatch("builtin:arith", "builtin:arith") is None
+    assert heldout_mismatch("builtin", "builtin") is None
+    assert heldout_mismatch(str(AIME), "builtin:arith") is None   # the user's own file: their choice
+    assert heldout_mismatch("builtin:arith", str(AIME)) is None   # a file-based preset: nothing to compare
 
 
 def test_flag_owned_override_is_rejected(capsys):
