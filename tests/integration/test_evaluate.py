@@ -24,7 +24,7 @@ from tests.procs import soak_only
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-AIME = Path(__file__).resolve().parents[3] / "shared" / "data" / "aime-2024.parquet"
+AIME = ROOT / "tests" / "data" / "aime-2024.parquet"  # real verl-format rows, in the repo (tests/data/README.md)
 CACHE_DIR = ROOT / ".cache" / "dapo"  # the repo's shared cache: the tiny model is built once for all tests
 
 METRIC_KEYS = {"num_prompts", "num_samples", "avg@k", "pass@k", "pass@1", "mean_response_length_tokens",

@@ -13,7 +13,7 @@ from dapo.config import load_config
 from dapo.data import DAPO_PREFIX, DAPO_SUFFIX, PromptDataset, load_rows, render_prompt
 from dapo.tiny import build_tokenizer
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"  # tests/data: real verl-format files (README there)
 FILES = ["aime-2024.parquet", "dapo-math-17k-sample16.parquet", "toy-arith-dapo-format.jsonl"]
 
 

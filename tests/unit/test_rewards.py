@@ -13,7 +13,7 @@ from dapo.data import load_rows
 from dapo.math_normalize import as_number, last_boxed, normalize_final_answer
 from dapo.task import DATA_SOURCE
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"  # tests/data: real verl-format files (README there)
 AIME = load_rows(DATA / "aime-2024.parquet")
 DAPO_SAMPLE = load_rows(DATA / "dapo-math-17k-sample16.parquet")
 TOY = load_rows(DATA / "toy-arith-dapo-format.jsonl")
