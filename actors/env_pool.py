@@ -12,16 +12,19 @@ Parent and workers speak msgpack over the worker's stdin/stdout (no pickle). Req
 ``["describe", spec]`` -> ``["ok", stop_strings, max_turns]``;
 ``["step", spec, data_source, ground_truth, turns, observations, ended_by, final]`` ->
 ``["ok", observation, done, reward, acc, tool_call, tool_failed]`` or ``["error", message]``.
-A worker is ``python -m actors.env_pool SCORE_FN`` and first replies ``["ok", "ready"]``.
+A worker is ``python -m actors.env_pool SCORE_FN SANDBOX`` (``actor.sandbox``: the isolation of the
+model code its environments run, ``actors/sandbox.py``) and first replies ``["ok", "ready"]``.
 """
 
 from __future__ import annotations
 
 import logging
 import select
+import sys
 import time
 from dataclasses import dataclass
 
+from actors.sandbox import ISOLATIONS, set_isolation
 from actors.verifier import FAILED_REWARD, START_TIMEOUT_S
 from actors.worker import WorkerProcess, main, serve
 from dapo.envs import Episode, Step, load_env
@@ -45,8 +48,8 @@ class Answer:
 
 
 class _Worker(WorkerProcess):
-    def __init__(self, score_fn: str) -> None:
-        super().__init__("actors.env_pool", score_fn)
+    def __init__(self, score_fn: str, sandbox: str) -> None:
+        super().__init__("actors.env_pool", score_fn, sandbox)
         self.job: tuple[object, float] | None = None
         """(key, deadline) of the step it is answering."""
 
@@ -54,18 +57,21 @@ class _Worker(WorkerProcess):
 class EnvPool:
     """``num_workers`` environment workers; ``submit`` a step, ``poll`` for answers."""
 
-    def __init__(self, num_workers: int, timeout_s: float, score_fn: str = SCORE_FN) -> None:
+    def __init__(self, num_workers: int, timeout_s: float, score_fn: str = SCORE_FN, sandbox: str = "bwrap") -> None:
         if num_workers < 1 or timeout_s <= 0:
             raise ValueError(f"an env pool needs num_workers >= 1 and timeout_s > 0, got {num_workers}, {timeout_s}")
-        self.num_workers, self.timeout_s, self.score_fn = num_workers, timeout_s, score_fn
+        if sandbox not in ISOLATIONS:
+            raise ValueError(f"actor.sandbox={sandbox!r} is unknown: expected one of {ISOLATIONS}")
+        self.num_workers, self.timeout_s, self.score_fn, self.sandbox = num_workers, timeout_s, score_fn, sandbox
         self.workers: list[_Worker] = []
         self.queue: list[tuple[object, list]] = []
         """Steps waiting for a free worker (submitted beyond ``num_workers``)."""
         self.num_steps = self.num_errors = self.num_timeouts = 0
         self._described: dict[str, tuple[tuple[str, ...], int]] = {}
+        self._misbehaving: set[str] = set()
 
     def _start(self) -> _Worker:
-        worker = _Worker(self.score_fn)
+        worker = _Worker(self.score_fn, self.sandbox)
         reply = worker.read(START_TIMEOUT_S)
         if reply != ["ok", "ready"]:
             worker.kill()
@@ -166,6 +172,16 @@ class EnvPool:
                 break
         return out
 
+    def protocol_error(self, spec: str, message: str) -> str:
+        """Count an answer that breaks the environment contract (the episode driver ends that
+        episode as failed); logged once per environment. Returns the error text for the episode."""
+        self.num_errors += 1
+        if spec not in self._misbehaving:
+            self._misbehaving.add(spec)
+            log.warning("environment %s %s; such episodes score %.0f (counted in env_errors, logged once)",
+                        spec, message, FAILED_REWARD)
+        return f"protocol: {message}"
+
     def close(self) -> None:
         for worker in self.workers:
             worker.kill()
@@ -173,6 +189,8 @@ class EnvPool:
 
 
 def _worker_main(score_fn: str) -> None:
+    set_isolation(sys.argv[2] if len(sys.argv) > 2 else "bwrap")
+
     def setup():
         fn = load_reward_fn(score_fn)
         envs = {}
@@ -190,7 +208,7 @@ def _worker_main(score_fn: str) -> None:
                 return ["ok", step.observation, step.done, float(step.reward), step.acc, step.tool_call,
                         step.tool_failed]
             except Exception as exc:  # count-and-score at the service boundary
-                return ["error", f"{type(exc).__name__}: {exc}"[:500]]
+                return ["error", f"{type(exc).__name__}: {exc}"[:1000]]
         return handle
 
     serve(setup, ["ok", "ready"])

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from actors.engines import Engine, Sample
-from actors.env_pool import EnvPool
-from dapo.envs import Episode
+from actors.env_pool import Answer, EnvPool
+from actors.verifier import FAILED_REWARD
+from dapo.envs import Episode, Step
 
 OBSERVATION_LOGPROB = 0.0
 """Log-prob sent for observation tokens: unused (loss mask 0), and 0 passes the wire's checks."""
@@ -75,6 +76,8 @@ class _State:
     observations: list[str] = field(default_factory=list)
     ended_by: str = ""
     truncated: bool = False
+    final_sent: bool = False
+    """The environment was told this turn is the last (``Episode.final``): it must end the episode."""
     tool_calls: int = 0
     tool_failures: int = 0
     result: EpisodeSample | None = None
@@ -147,8 +150,8 @@ def run_episodes(engine: Engine, rows: list[EpisodeRow], n: int, pool: EnvPool, 
         s = states[i]
         s.end_turn(finish_reason, decode, stop_strings)
         s.truncated = s.ended_by == "length"
-        final = s.truncated or len(s.turns) >= min(max_turns, described[s.row.env][1])
-        pool.submit(i, s.row.env, s.episode(final))
+        s.final_sent = s.truncated or len(s.turns) >= min(max_turns, described[s.row.env][1])
+        pool.submit(i, s.row.env, s.episode(s.final_sent))
 
     def should_generate() -> bool:
         # When every open episode is ready, or at least half of them: an episode whose tool is
@@ -164,10 +167,16 @@ def run_episodes(engine: Engine, rows: list[EpisodeRow], n: int, pool: EnvPool, 
     while pool.pending or ready:
         for answer in pool.poll(0.0 if should_generate() else poll_s):
             s, step = states[answer.key], answer.step
+            if s.final_sent and not step.done:
+                # It would go on past max_turns or the token cap (and, resubmitted, forever): an
+                # environment error, scored as a failure.
+                answer = Answer(answer.key, Step(done=True, reward=FAILED_REWARD), pool.protocol_error(
+                    s.row.env, "answered a final turn (Episode.final) without ending the episode (Step.done)"))
+                step = answer.step
             obs = [] if step.done else encode(step.observation)
             if not step.done and len(s.tokens) + len(obs) >= max_tokens:
                 # No room for the observation and a model token: the environment ends it now.
-                s.truncated = True
+                s.truncated = s.final_sent = True
                 pool.submit(answer.key, s.row.env, s.episode(final=True))
                 continue
             s.tool_calls += step.tool_call

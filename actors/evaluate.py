@@ -370,7 +370,7 @@ def run_eval(args: argparse.Namespace, inputs: EvalInputs, engine: Any = None) -
         engine = make_eval_engine(args, inputs)
     # The same scoring function, environments and deadlines as the actors use in training.
     verifier = Verifier(a.verifier_timeout_s, a.reward_fn)
-    pool = EnvPool(a.env_workers, a.env_timeout_s, a.reward_fn) if any(
+    pool = EnvPool(a.env_workers, a.env_timeout_s, a.reward_fn, a.sandbox) if any(
         env_spec(p.data_source, a.env) for p in prompts) else None
     results: list[PromptResult] = []
     generate_s = score_s = 0.0

@@ -269,7 +269,7 @@ class Actor:
         if self.env_pool is None:
             if self.encode is None:
                 raise ValueError("multi-turn rows need the actor's tokenizer to encode observations (encode=...)")
-            self.env_pool = EnvPool(a.env_workers, a.env_timeout_s, a.reward_fn)
+            self.env_pool = EnvPool(a.env_workers, a.env_timeout_s, a.reward_fn, a.sandbox)
         rows = [EpisodeRow(list(lease.prompt_token_ids), lease.data_source, lease.ground_truth,
                            env_spec(lease.data_source, a.env)) for lease in leases]
         out = run_episodes(self.engine, rows, n, self.env_pool, decode=self.decode, encode=self.encode,

@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     from actors.client import AuthError, CoordinatorClient
+    from actors.env_pool import EnvError
     from actors.engines import WeightLoadTimeout, make_engine, resolve_engine
     from actors.loop import Actor
     from actors.metrics import ActorMetrics, serve_prometheus
@@ -97,8 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     error = None
     try:
         actor.run()
-    except (AuthError, ValueError, WeightLoadTimeout) as exc:
-        error = exc  # a wrong token, a config the learner's run cannot use, or a hung engine worker
+    except (AuthError, ValueError, WeightLoadTimeout, EnvError) as exc:
+        # a wrong token, a config the learner's run cannot use, a hung engine worker, or an environment
+        # that cannot start (one that runs model code where its sandbox cannot be built)
+        error = exc
     finally:
         for close in (verifier.close, weights.close, client.close, engine.close, stop_prometheus or (lambda: None)):
             close()

@@ -1,10 +1,11 @@
 """The built-in code task: small Python functions, scored by unit tests in the sandbox.
 
 ``data.train_path=builtin:code``: each row asks for one function from a template with a parameter
-("Write a Python function add_n(x) that returns x plus 7."); its ground truth is the ``assert``
-lines that test it. The data source ``code_tests`` routes the rows to ``actors.code_env.UnitTests``
-(dapo.envs.ENVS), which runs the answer's last fenced ```python block with the tests appended in a
-sandbox (actors/sandbox.py): +1 when every assert passes, -1 otherwise. The model may also run code
+("Write a Python function add_n(x) that returns x plus 7."); its ground truth is JSON of the test
+cases (``tests_of``: arguments and expected results). The data source ``code_tests`` routes the rows
+to ``actors.code_env.UnitTests`` (dapo.envs.ENVS), which calls the answer's function (its last fenced
+```python block) on each case's arguments in the sandbox (actors/sandbox.py) and compares the returned
+values with the expected ones outside it: +1 when every case matches, -1 otherwise. The model may also run code
 first with the Python tool (``<python>...</python>`` -> ``<output>...</output>``).
 
 Meant for a small real model (``experiment=smollm2_code``); pure (rows only, no processes).
@@ -13,6 +14,7 @@ Meant for a small real model (``experiment=smollm2_code``); pure (rows only, no 
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from typing import Any
 
@@ -22,27 +24,25 @@ SPLITS = ("train", "eval")
 INSTRUCTION = ("Answer with the function in one ```python code block. You may run Python first by "
                "writing <python>code</python>; its output comes back as <output>...</output>.")
 
-# (function name, description with {n}, [(call, expected)] with {n} filled in by the generator)
+# (function name, description with {n}, [(args, expected)] for a given n)
 TEMPLATES: tuple[tuple[str, str, Any], ...] = (
-    ("add_n", "takes a number x and returns x plus {n}", lambda n: [(f"add_n({x})", x + n) for x in (0, 3, -5)]),
-    ("times_n", "takes a number x and returns x multiplied by {n}",
-     lambda n: [(f"times_n({x})", x * n) for x in (0, 2, -4)]),
+    ("add_n", "takes a number x and returns x plus {n}", lambda n: [([x], x + n) for x in (0, 3, -5)]),
+    ("times_n", "takes a number x and returns x multiplied by {n}", lambda n: [([x], x * n) for x in (0, 2, -4)]),
     ("last_n", "takes a string s and returns its last {n} characters",
-     lambda n: [(f"last_n({s!r})", s[-n:]) for s in ("abcdefghijkl", "python programming")]),
+     lambda n: [([s], s[-n:]) for s in ("abcdefghijkl", "python programming")]),
     ("first_n", "takes a list xs and returns its first {n} elements",
-     lambda n: [(f"first_n({xs!r})", xs[:n]) for xs in (list(range(20)), list(range(5, 40, 2)))]),
+     lambda n: [([xs], xs[:n]) for xs in (list(range(20)), list(range(5, 40, 2)))]),
     ("greater_than_n", "takes a list of numbers xs and returns the numbers in xs that are greater than {n}, in order",
-     lambda n: [(f"greater_than_n({xs!r})", [x for x in xs if x > n]) for xs in ([1, 5, 9, 13, 17, 21], [n, n + 1, 0])]),
+     lambda n: [([xs], [x for x in xs if x > n]) for xs in ([1, 5, 9, 13, 17, 21], [n, n + 1, 0])]),
     ("count_n", "takes a list xs and returns how many times the number {n} appears in it",
-     lambda n: [(f"count_n({xs!r})", xs.count(n)) for xs in ([n, 1, n, 2], [0, 1, 2], [n] * 3)]),
-    ("repeat_n", "takes a string s and returns s repeated {n} times",
-     lambda n: [(f"repeat_n({s!r})", s * n) for s in ("ab", "x")]),
+     lambda n: [([xs], xs.count(n)) for xs in ([n, 1, n, 2], [0, 1, 2], [n] * 3)]),
+    ("repeat_n", "takes a string s and returns s repeated {n} times", lambda n: [([s], s * n) for s in ("ab", "x")]),
     ("is_multiple_of_n", "takes an integer x and returns True if x is a multiple of {n}, else False",
-     lambda n: [(f"is_multiple_of_n({x})", x % n == 0) for x in (0, n, n + 1, 3 * n)]),
+     lambda n: [([x], x % n == 0) for x in (0, n, n + 1, 3 * n)]),
     ("sum_below_n", "takes no arguments and returns the sum of the integers from 0 to {n} - 1",
-     lambda n: [("sum_below_n()", sum(range(n)))]),
+     lambda n: [([], sum(range(n)))]),
     ("pad_n", "takes a string s and returns it left-padded with zeros to length {n}",
-     lambda n: [(f"pad_n({s!r})", s.zfill(n)) for s in ("7", "123", "1" * (n + 1))]),
+     lambda n: [([s], s.zfill(n)) for s in ("7", "123", "1" * (n + 1))]),
 )
 PARAMS = range(2, 23)
 
@@ -53,8 +53,11 @@ def split_of(name: str, n: int) -> str:
 
 
 def tests_of(name: str, n: int) -> str:
+    """The ground truth of a task: JSON of the function's name and its test cases, each the call's
+    arguments and the expected result (the format ``actors.code_env.UnitTests`` grades: the expected
+    values stay outside the sandbox)."""
     cases = dict((t[0], t[2]) for t in TEMPLATES)[name](n)
-    return "\n".join(f"assert {call} == {expected!r}" for call, expected in cases)
+    return json.dumps({"function": name, "tests": [{"args": args, "expected": expected} for args, expected in cases]})
 
 
 def make_code_rows(split: str, n: int, seed: int) -> list[dict[str, Any]]:

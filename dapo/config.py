@@ -230,6 +230,12 @@ class ActorConfig:
     tool 2.6x faster than 2 (bench/RESULTS.md "What a slow tool costs"); each is a ~21 MB process."""
     env_timeout_s: float = 10.0
     """An environment step that runs longer ends its episode with reward -1 (counted: env_timeouts)."""
+    sandbox: str = "bwrap"
+    """Isolation of model-written code (the ``code_tests`` environments, ``actors/sandbox.py``): ``bwrap``
+    (bubblewrap: namespaces, an unprivileged uid, no network, a read-only view of the interpreter only;
+    where it cannot be built those environments refuse to start and say how to fix it) or ``none``
+    (UNSAFE: the code runs as a plain limited subprocess that can read this machine's files and reach
+    its network; logged as a warning by every environment worker)."""
     heartbeat_interval_s: float = 1.0
     """Seconds between heartbeats to the coordinator."""
     connect_retry_max_s: float = 10.0
@@ -267,6 +273,7 @@ class ActorConfig:
         _check(self.max_turns >= 1, "actor.max_turns", self.max_turns, ">= 1")
         _check(self.env_workers >= 1, "actor.env_workers", self.env_workers, ">= 1")
         _check(self.env_timeout_s > 0, "actor.env_timeout_s", self.env_timeout_s, "> 0")
+        _check(self.sandbox in ("bwrap", "none"), "actor.sandbox", self.sandbox, "bwrap or none")
 
 
 @dataclass

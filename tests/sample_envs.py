@@ -46,3 +46,14 @@ class MisbehavingEnv(Environment):
         if episode.ground_truth == "slow":
             time.sleep(0.5)
         return Step(done=True, reward=1.0, acc=True)
+
+
+class NeverEndsEnv(EqualsEnv):
+    """EqualsEnv that never ends an episode, not even a final one (``Episode.final``): it counts the
+    final turns it was asked to end in a file named by the ground truth (an effect the test reads)."""
+
+    def step(self, episode: Episode) -> Step:
+        if episode.final:
+            with open(episode.ground_truth, "a") as f:
+                f.write(f"{len(episode.turns)}\n")
+        return Step(observation=OBSERVATION, tool_call=True)

@@ -93,6 +93,29 @@ def test_a_hanging_or_raising_environment_ends_only_its_own_episode(tiny):
         pool.close()
 
 
+def test_an_environment_that_never_ends_a_final_episode_fails_it_once_instead_of_spinning(tiny, tmp_path):
+    """Told the turn is the last, the environment answers with another observation: the driver ends
+    that episode as an environment error (counted, scored as failed) after exactly one final step,
+    and no episode holds more than max_turns model turns (before, it resubmitted without end)."""
+    engine, tok = tiny
+    decode, encode = codec(tok)
+    finals = tmp_path / "finals"
+    rows = [EpisodeRow(prompt_ids(tok, q), "dapo_builtin", str(finals), "tests.sample_envs:NeverEndsEnv")
+            for q in ("374+458", "120+305")]
+    pool = EnvPool(2, 30.0)
+    try:
+        out = run_episodes(engine, rows, 3, pool, decode=decode, encode=encode, max_tokens=48, max_turns=2,
+                           temperature=1.0, top_p=1.0, seed=5)
+        episodes = [e for g in out for e in g]
+        assert [(e.reward, e.error) for e in episodes] == [
+            (FAILED_REWARD, "protocol: answered a final turn (Episode.final) without ending the episode (Step.done)")] * 6
+        assert all(e.turns <= 2 for e in episodes)
+        assert len(finals.read_text().split()) == 6  # one final step per episode, never resubmitted
+        assert pool.num_errors == 6
+    finally:
+        pool.close()
+
+
 def test_calculator_answers_calls_and_scores_the_final_turn():
     env = Calculator()
     call = env.step(Episode("dapo_calc", "1776", ("<calc>37*48</calc>",), ended_by="stop"))
