@@ -5,6 +5,10 @@ interpreter, so that a hang, a crash or a print in that code costs a worker, nev
 Parent side, ``WorkerProcess``: start ``python -m MODULE ARGS``, write requests, read replies under a
 deadline (``select``, never a blocking read), kill. Child side, ``serve``: the protocol owns the real
 stdout (what user code prints goes to stderr), one reply per request, in order. No pickle either way.
+
+The child's environment is an allow-list (``worker_env``), never the actor's: the actor holds the
+auth token (``DAPO_TOKEN``) and may hold other secrets (cloud keys, ``HF_TOKEN``), and the code a
+worker runs is user code on model output.
 """
 
 from __future__ import annotations
@@ -14,14 +18,39 @@ import select
 import subprocess
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import msgpack
 
 from dapo.launch import die_with_parent
+from dapo.runtime import service_env
 
 PARENT_PID_ENV = "DAPO_VERIFIER_PARENT_PID"
 """The actor's pid, for the child's parent-death signal (``main``)."""
+
+WORKER_ENV_NAMES = frozenset({
+    # finding programs and shared libraries; the user's home, locale, time zone and temp folder
+    "PATH", "LD_LIBRARY_PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR",
+    # how the interpreter starts: where the project and the user's modules are (a reward_fn or an
+    # environment named ``module:function`` is imported by the worker), hashing, warnings, encoding
+    "PYTHONPATH", "PYTHONHOME", "PYTHONHASHSEED", "PYTHONWARNINGS", "PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE",
+    "PYTHONPYCACHEPREFIX", "PYTHONNOUSERSITE", "PYTHONUTF8", "PYTHONIOENCODING", "PYTHONFAULTHANDLER", "VIRTUAL_ENV",
+    # thread counts (one thread each on a small machine) and offline hub use, beside dapo.runtime.service_env's
+    "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS", "OMP_WAIT_POLICY", "HF_HOME", "HF_DATASETS_OFFLINE",
+    *service_env(),
+    # subprocess coverage, when a test run measures it
+    "COVERAGE_PROCESS_START",
+})
+"""What a worker inherits of the actor's environment (module docstring): what Python, the tokenizer
+and torch need to start and behave as in the actor. Anything else, DAPO_TOKEN included, stays out."""
+WORKER_ENV_PREFIXES = ("LC_",)
+"""Inherited by name prefix: the locale categories."""
+
+
+def worker_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """A worker's environment: ``environ``'s allow-listed variables and the actor's pid."""
+    kept = {k: v for k, v in environ.items() if k in WORKER_ENV_NAMES or k.startswith(WORKER_ENV_PREFIXES)}
+    return {**kept, PARENT_PID_ENV: str(os.getpid())}
 
 
 class WorkerProcess:
@@ -33,7 +62,7 @@ class WorkerProcess:
         # actor owns its life: stdin EOF, SIGKILL, or the actor's death (PR_SET_PDEATHSIG).
         self.proc = subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, bufsize=0, start_new_session=True,
-                                     env={**os.environ, PARENT_PID_ENV: str(os.getpid())})
+                                     env=worker_env(os.environ))
         self.unpacker = msgpack.Unpacker(raw=False)
         self.dead = False
         """Its output ended: the child exited."""

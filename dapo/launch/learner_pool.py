@@ -27,7 +27,7 @@ import sys
 from typing import Mapping
 
 from dapo.config import DapoConfig, save_resolved
-from dapo.launch import die_with_parent, kill_tree, latest_checkpoint, resolve_config, spawn
+from dapo.launch import die_with_parent, kill_tree, latest_checkpoint, resolve_config, spawn, token_env
 from protos.net import route_source_address
 
 HELP = """\
@@ -42,7 +42,7 @@ Examples:
   dapo learner                                     # embedded default: tiny model, built-in task
   dapo learner learner.num_ranks=2 learner.total_steps=50 run.run_dir=runs/a
   dapo learner learner.resume=latest run.run_dir=runs/a          # continue a killed run
-  dapo learner transport.host=0.0.0.0 transport.auth_token=SECRET  # accept remote actors
+  DAPO_TOKEN=SECRET dapo learner transport.host=0.0.0.0       # accept remote actors (a token of your own)
   dapo learner --config runs/a/config.resolved.json  # an earlier run's resolved config, no overrides
 Multi-node (torchrun's flags, given before the overrides):
   dapo learner --nnodes=2 --node-rank=0 --rdzv-endpoint=HOST:29400 --rdzv-id=run1 learner.num_ranks=8
@@ -62,6 +62,9 @@ transport.auth_token is refused at start-up; generate one with
 
 Writes run.run_dir: config.resolved.json, metrics.jsonl, trained_prompts.jsonl, tensorboard/, checkpoints/.
 Every key is documented in dapo/config.py; `dapo config [overrides]` prints the resolved config.
+and give it in the environment (DAPO_TOKEN=...) or in a file only you can read
+(transport.auth_token_file=FILE, chmod 600 FILE), never as transport.auth_token=... on the command
+line, where every user of the machine can read it (refused beyond loopback, a warning on it).
 """
 
 # torchrun flags that take a value (given as --flag VALUE or --flag=VALUE; torchrun takes '_' for '-').
@@ -120,7 +123,8 @@ def main() -> None:
     env, note = collective_env(torchrun, os.environ)
     if note:
         print(f"dapo learner: {note}", flush=True)
-    rc = run_torchrun(torchrun_command(cfg, torchrun), received, cfg.run.run_dir, env)
+    # The ranks read the written config, which holds no token: it reaches them in their environment.
+    rc = run_torchrun(torchrun_command(cfg, torchrun), received, cfg.run.run_dir, {**env, **token_env(cfg)})
     raise SystemExit(128 + received[0] if received and rc == 0 and shell_exit_codes else rc)
 
 

@@ -30,8 +30,8 @@ from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 
-from dapo.config import DapoConfig, save_resolved
-from dapo.launch import latest_checkpoint, reserve_port, resolve_config, signal_on_parent_death, spawn
+from dapo.config import DapoConfig, make_run_dir, save_resolved
+from dapo.launch import latest_checkpoint, reserve_port, resolve_config, signal_on_parent_death, spawn, token_env
 from dapo.runtime import apply_service_env
 
 HELP = """\
@@ -136,12 +136,13 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(sig, lambda signum, _frame: stop.update(why=signal.Signals(signum).name))
 
     learner_argv, learner_env = learner_command(cfg.learner.num_ranks, config_path)
-    learner = Child("learner", learner_argv, run_dir / "logs", learner_env)
+    # The token goes to every child in its environment: the config file they read holds none.
+    learner = Child("learner", learner_argv, run_dir / "logs", {**learner_env, **token_env(cfg)})
     # The ports are known before the learner is up: actors start now and register as soon as the
     # coordinator answers (they retry while it does not), instead of waiting for it to be ready.
     addr = f"{_connect_host(cfg.transport.host)}:{cfg.transport.grpc_port}"
-    actors = [Child(f"actor{i}", actor_command(addr, config_path, cfg.actor.seed + i), run_dir / "logs")
-              for i in range(cfg.run.num_actors)]
+    actors = [Child(f"actor{i}", actor_command(addr, config_path, cfg.actor.seed + i), run_dir / "logs",
+                    token_env(cfg)) for i in range(cfg.run.num_actors)]
     spawned_unix_s = time.time()
     print(f"dapo run: learner pid {learner.proc.pid}, actors {[a.proc.pid for a in actors]}; "
           f"logs in {run_dir / 'logs'}", file=sys.stderr)
@@ -185,10 +186,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def prepare(overrides: list[str]) -> tuple[DapoConfig, Path]:
     """The run's config, composed once and completed (the model folder, a free port for each port
-    given as 0), and the file it was written to for the learner; a fresh run folder."""
+    given as 0), and the file it was written to for the learner; a fresh run folder (0700 when new)."""
     cfg = resolve_config("dapo run", overrides)
-    run_dir = Path(cfg.run.run_dir)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    run_dir = make_run_dir(cfg.run.run_dir)
+    (run_dir / "logs").mkdir(exist_ok=True)
     for stale in ("metrics.jsonl", "trained_prompts.jsonl"):
         (run_dir / stale).unlink(missing_ok=True)  # a fresh run never mixes with an old one
     cfg = with_learner_threads(with_free_ports(cfg))

@@ -19,17 +19,26 @@ import sys
 import time
 from pathlib import Path
 
-from dapo.launch import resolve_config, signal_on_parent_death, spawn
+from dapo.auth_token import is_token_override
+from dapo.config import DapoConfig
+from dapo.launch import resolve_config, signal_on_parent_death, spawn, token_env
 from dapo.plots import mean_of, plot_sweep, read_metrics, series, setting_of, time_to_target
 
 
-def run_point(label: str, overrides: list[str]) -> int:
-    argv = [sys.executable, "-m", "dapo.launch.run", *overrides]
-    print(f"dapo sweep: {label}: {' '.join(overrides)}", file=sys.stderr, flush=True)
+def point_command(overrides: list[str], cfg: DapoConfig) -> tuple[list[str], dict[str, str]]:
+    """(argv, extra environment) of one point's `dapo run` (``cfg``: the point's config): a token given
+    to the sweep on its command line reaches the run in its environment, never on its command line."""
+    argv = [sys.executable, "-m", "dapo.launch.run", *(o for o in overrides if not is_token_override(o))]
+    return argv, token_env(cfg)
+
+
+def run_point(label: str, overrides: list[str], cfg: DapoConfig) -> int:
+    argv, env = point_command(overrides, cfg)
+    print(f"dapo sweep: {label}: {' '.join(argv[3:])}", file=sys.stderr, flush=True)
     t0 = time.monotonic()
     # Same process group (Ctrl-C reaches the run, which stops cleanly) plus a parent-death
     # signal: killing the sweep stops its current run too.
-    rc = spawn(argv, lambda: signal_on_parent_death(signal.SIGTERM)).wait()
+    rc = spawn(argv, lambda: signal_on_parent_death(signal.SIGTERM), env).wait()
     print(f"dapo sweep: {label} finished in {time.monotonic() - t0:.0f} s (exit {rc})", file=sys.stderr)
     return rc
 
@@ -120,13 +129,13 @@ def main(argv: list[str] | None = None) -> int:
             overrides = [*args.overrides, f"{key}={value}", f"learner.seed={seed}", f"actor.seed={seed}",
                          f"run.run_dir={out_dir / label}"]
             cfg = resolve_config("dapo sweep", overrides)  # fail before the first run, not after an hour
-            points.append((label, overrides))
+            points.append((label, overrides, cfg))
     target = args.target if args.target is not None else cfg.run.target_accuracy
     out_dir.mkdir(parents=True, exist_ok=True)
 
     runs, failed = {}, []
-    for label, overrides in points:
-        if run_point(label, overrides) != 0:
+    for label, overrides, cfg in points:
+        if run_point(label, overrides, cfg) != 0:
             failed.append(label)
         metrics = out_dir / label / "metrics.jsonl"
         runs[label] = read_metrics(metrics) if metrics.exists() else []
