@@ -26,9 +26,11 @@ from the learner; the model architecture and engine from this actor's config.
 """
 EPILOG = """\
 Everything after the options is a Hydra override, e.g.
-  dapo actor --learner 10.0.0.5:50051 transport.auth_token=SECRET actor.engine=torch
+  DAPO_TOKEN=SECRET dapo actor --learner 10.0.0.5:50051 actor.engine=torch
   dapo actor --learner 127.0.0.1:50051 actor.update_mode=inflight actor.prometheus_port=9100
 Keys: see dapo/config.py (ActorConfig, ModelConfig, TransportConfig, WeightSyncConfig) or `dapo config`.
+The learner's token: DAPO_TOKEN in the environment or transport.auth_token_file=FILE (chmod 600 FILE),
+never transport.auth_token=... on the command line (refused for a learner beyond loopback).
 """
 
 
@@ -56,13 +58,19 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s actor %(levelname)s %(name)s: %(message)s")
     stop = threading.Event()
     received = stop_on_signals(stop)  # before the slow imports: a Ctrl-C is never a KeyboardInterrupt
-    from dapo.config import ConfigError, load_config, load_resolved
+    from dapo.auth_token import command_line_token_message, token_on_command_line
+    from dapo.config import ConfigError, is_loopback, load_config, load_resolved
 
     try:
         cfg = load_resolved(args.config, args.overrides) if args.config else load_config(args.overrides)
     except ConfigError as exc:
         log.error("%s", exc)
         return 2
+    if token_on_command_line(args.overrides):  # every user of this host reads it in /proc/PID/cmdline
+        public = not is_loopback(args.learner.rpartition(":")[0])
+        (log.error if public else log.warning)("%s", command_line_token_message(public))
+        if public:
+            return 2
 
     from transformers import AutoTokenizer
 

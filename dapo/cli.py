@@ -27,9 +27,11 @@ SERVICES: dict[str, tuple[str, str]] = {
 EPILOG = """\
 Hydra overrides follow the subcommand, e.g.
   dapo run algorithm=grpo algorithm.max_staleness_steps=2 run.num_actors=2
-  dapo learner transport.host=0.0.0.0 transport.auth_token=SECRET
-  dapo actor --learner 10.0.0.5:50051 transport.auth_token=SECRET
-(beyond loopback the default token is refused: python -c "import secrets; print(secrets.token_hex(16))")
+  DAPO_TOKEN=SECRET dapo learner transport.host=0.0.0.0
+  DAPO_TOKEN=SECRET dapo actor --learner 10.0.0.5:50051
+(beyond loopback the default token is refused: python -c "import secrets; print(secrets.token_hex(16))";
+the token goes in the environment, DAPO_TOKEN, or a 0600 file, transport.auth_token_file=FILE, never
+on the command line, where every user of the machine can read it)
 Every key is documented in dapo/config.py; `dapo config [overrides]` prints the resolved config.
 """
 
@@ -132,14 +134,17 @@ def _import_model(file: str, out: str) -> None:
 def _print_config(overrides: list[str]) -> None:
     from omegaconf import OmegaConf
 
-    from dapo.config import ConfigError, load_config, to_dict
+    from dataclasses import asdict
+
+    from dapo.auth_token import redacted
+    from dapo.config import ConfigError, load_config
 
     try:
         cfg = load_config(overrides)
     except ConfigError as exc:
         print(f"dapo: {exc}", file=sys.stderr)
         raise SystemExit(2)
-    print(OmegaConf.to_yaml(to_dict(cfg)), end="")
+    print(OmegaConf.to_yaml(asdict(redacted(cfg, curve_secret_key=True))), end="")
 
 
 if __name__ == "__main__":

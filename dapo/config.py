@@ -400,7 +400,14 @@ class TransportConfig:
     """Replay-queue ZeroMQ PULL port (trajectory groups)."""
     auth_token: str = "dapo-local"
     """Shared secret actors present in gRPC metadata and the ZMQ header. Change it whenever
-    services bind beyond loopback."""
+    services bind beyond loopback, and keep it where other users cannot read it: ``DAPO_TOKEN`` in
+    the environment or ``auth_token_file``, both of which win over this key (``with_auth_token``).
+    Given here on a command line it is readable by every user of the machine (``ps``): refused
+    beyond loopback, warned about on it. Configs that dapo writes or prints hold ``<redacted>``."""
+    auth_token_file: str = ""
+    """A file that holds the token (surrounding whitespace ignored), readable by its owner only: a
+    file that its group or other users may access is refused (``chmod 600 FILE``). '' = none. Wins
+    over ``DAPO_TOKEN`` and ``auth_token``; children started by a launcher read it again themselves."""
     max_message_bytes: int = 64 << 20
     """Largest accepted ZMQ trajectory message or gRPC message, in bytes."""
     rpc_timeout_s: float = 10.0
@@ -507,8 +514,9 @@ def public_bind_error(t: TransportConfig) -> str | None:
             f"public default {DEFAULT_AUTH_TOKEN!r}: anyone who can reach the ports could register as an actor and "
             "push groups. Generate a token with\n"
             "  python -c \"import secrets; print(secrets.token_hex(16))\"\n"
-            "and pass it to the learner and to every actor as transport.auth_token=<token> (or bind to loopback: "
-            "transport.host=127.0.0.1).")
+            "and give it to the learner and to every actor as DAPO_TOKEN=<token> in their environment, or in a "
+            "file only they can read: transport.auth_token_file=FILE (chmod 600 FILE); never as transport.auth_token "
+            "on a command line (or bind to loopback: transport.host=127.0.0.1).")
 
 
 @dataclass
@@ -606,7 +614,7 @@ def load_config(overrides: list[str] | tuple[str, ...] = ()) -> DapoConfig:
         raise ConfigError(f"invalid config override: {exc}{cause}{_did_you_mean(overrides)}{_escape_hint(overrides)}"
                           .strip()) from None
     assert isinstance(cfg, DapoConfig)
-    return with_concrete_dtype(cfg)
+    return _with_auth_token(with_concrete_dtype(cfg))
 
 
 def with_concrete_dtype(cfg: DapoConfig) -> DapoConfig:
@@ -690,17 +698,37 @@ def _reject_unknown_keys(node: Any, prefix: str) -> None:
             _reject_unknown_keys(child, f"{prefix}{key}.")
 
 
-def to_dict(cfg: Any) -> dict[str, Any]:
-    """Plain nested dict of a config dataclass (for saving the resolved config with a run)."""
-    return dataclasses.asdict(cfg)
+def _with_auth_token(cfg: DapoConfig) -> DapoConfig:
+    from dapo.auth_token import with_auth_token  # it imports this module
+
+    return with_auth_token(cfg)
+
+
+def to_dict(cfg: DapoConfig) -> dict[str, Any]:
+    """Plain nested dict of a config (for saving the resolved config with a run, logging it), with
+    the auth token redacted (``dapo.auth_token``: readers get it from the environment or a file)."""
+    from dapo.auth_token import redacted
+
+    return dataclasses.asdict(redacted(cfg))
+
+
+def make_run_dir(run_dir: str | Path) -> Path:
+    """``run_dir``, created (with its parents) if missing: 0700, for its owner alone (it holds the
+    resolved config, logs, checkpoints). An existing folder keeps its mode: it may be one the user
+    made to share; the secrets in it are in 0600 files."""
+    path = Path(run_dir)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)  # the mode applies to the last folder only
+    return path
 
 
 def save_resolved(cfg: DapoConfig) -> Path:
-    """Write ``cfg`` to ``<run.run_dir>/config.resolved.json`` (what the learner ranks read) and return the path."""
-    path = Path(cfg.run.run_dir) / "config.resolved.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write ``cfg`` to ``<run.run_dir>/config.resolved.json`` (what the learner ranks read; 0600, the
+    token redacted) and return the path."""
+    path = make_run_dir(cfg.run.run_dir) / "config.resolved.json"
     tmp = path.with_name(f"{path.name}.{os.getpid()}")  # renamed into place: no reader sees half a file
-    tmp.write_text(json.dumps(to_dict(cfg), indent=2))
+    tmp.unlink(missing_ok=True)  # a leftover of a killed writer with this pid: O_EXCL below
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(json.dumps(to_dict(cfg), indent=2))
     return tmp.replace(path)
 
 
@@ -730,4 +758,5 @@ def load_resolved(path: str | Path, overrides: list[str] | tuple[str, ...] = ())
         cfg = DapoConfig(**{f.name: f.default_factory(**data[f.name]) for f in dataclasses.fields(DapoConfig)})
     except (KeyError, TypeError) as exc:
         raise ConfigError(f"{path} is not a config written by `dapo run` or `dapo learner`: {exc!r}") from None
-    return with_concrete_dtype(cfg)  # a hand-written file may say auto; one `dapo run` wrote is concrete
+    # A hand-written file may say dtype auto (one `dapo run` wrote is concrete); the token was redacted.
+    return _with_auth_token(with_concrete_dtype(cfg))

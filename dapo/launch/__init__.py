@@ -15,7 +15,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
-from dapo.config import DapoConfig, load_config, load_resolved, public_bind_error
+from dapo.auth_token import TOKEN_ENV, command_line_token_message, token_on_command_line
+from dapo.config import DapoConfig, is_loopback, load_config, load_resolved, public_bind_error
 from dapo.runtime import service_env
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -113,12 +114,13 @@ def reserve_port(host: str, tries: int = 64) -> socket.socket:
 def resolve_config(prog: str, overrides: list[str], config_path: str | None = None) -> DapoConfig:
     """The config composed from ``overrides`` (the run's one Hydra compose) or read from ``config_path``, with
     ``model.path`` a folder (builtin:tiny built here, a wheel built-in fetched here). Exits 2 saying why: invalid,
-    a model that is not there or cannot be fetched, or public with the default token."""
+    a model that is not there or cannot be fetched, public with the default token or with a token on the
+    command line (warned about on loopback, where the default token is accepted too)."""
     from dapo.launch.fetch import resolve_model_path  # not at the top: `python -m dapo.launch.fetch` imports this
 
     try:
         cfg = load_resolved(config_path) if config_path else load_config(overrides)
-        if not (refusal := public_bind_error(cfg.transport)):
+        if not (refusal := public_bind_error(cfg.transport) or command_line_token_refusal(prog, cfg, overrides)):
             cfg = replace(cfg, model=replace(cfg.model, path=str(resolve_model_path(cfg))))
     except (ValueError, OSError) as exc:  # ConfigError, or a model.path that is no model
         refusal = str(exc)
@@ -126,6 +128,24 @@ def resolve_config(prog: str, overrides: list[str], config_path: str | None = No
         print(f"{prog}: {refusal}", file=sys.stderr)
         raise SystemExit(2)
     return cfg
+
+
+def command_line_token_refusal(prog: str, cfg: DapoConfig, overrides: list[str]) -> str | None:
+    """Why a token given on the command line (``overrides``) is refused: the services are reachable
+    beyond loopback. On loopback, where the public default token is accepted too, a warning only."""
+    if not token_on_command_line(overrides):
+        return None
+    public = not is_loopback(cfg.transport.host)
+    if not public:
+        print(f"{prog}: warning: {command_line_token_message(public)}", file=sys.stderr)
+    return command_line_token_message(public) if public else None
+
+
+def token_env(cfg: DapoConfig) -> dict[str, str]:
+    """The environment that gives a child the run's token: the config file it reads holds none
+    (``dapo.auth_token``). Nothing when the child reads ``transport.auth_token_file`` itself.
+    The token never goes on a child's command line, where every user of the machine can read it."""
+    return {} if cfg.transport.auth_token_file else {TOKEN_ENV: cfg.transport.auth_token}
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:

@@ -1,0 +1,114 @@
+"""Where the shared auth token (``transport.auth_token``) comes from, and where it must never go.
+
+The token is the only thing that keeps strangers from registering as actors and pushing groups, so
+it is kept where other users of the machine cannot read it:
+
+    transport.auth_token_file=FILE   a file its owner alone may access (0600 or stricter)   1st
+    DAPO_TOKEN=<token>               the environment (/proc/PID/environ: owner and root only) 2nd
+    transport.auth_token=<token>     the config, e.g. the public default on loopback; tests   3rd
+
+``with_auth_token`` applies that order when a config is loaded (``dapo.config.load_config`` and
+``load_resolved``); two sources that give different tokens are refused rather than one silently
+winning. A token on a command line is readable by everyone (``ps``, ``/proc/PID/cmdline``): the
+services refuse it when they are reachable beyond loopback and warn on loopback, where the public
+default token is accepted anyway (``token_on_command_line``). Configs written to disk or printed
+hold ``REDACTED`` instead (``redacted``); launchers hand the token to their children in the
+environment (``dapo.launch.token_env``), never as an argument.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import replace
+from typing import Mapping, Sequence
+
+from dapo.config import DEFAULT_AUTH_TOKEN, ConfigError, DapoConfig
+
+TOKEN_ENV = "DAPO_TOKEN"
+"""The environment variable that carries the token (2nd in the order above)."""
+TOKEN_KEY = "transport.auth_token"
+FILE_KEY = "transport.auth_token_file"
+REDACTED = "<redacted>"
+"""What a written or printed config holds instead of a token other than the public default."""
+
+
+def read_token_file(path: str) -> str:
+    """The token in ``path`` (surrounding whitespace stripped). Refused unless it is a regular,
+    non-empty file that neither its group nor other users may read or write."""
+    try:
+        # O_NONBLOCK: a FIFO put there must not hang the service (it is refused below, as a folder is).
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        try:
+            mode = os.fstat(fd).st_mode  # of the file that is read, not of a name swapped meanwhile
+            data = os.read(fd, 1 << 16) if stat.S_ISREG(mode) else b""
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise ConfigError(f"{FILE_KEY}={path} cannot be read ({exc.strerror}): expected a file that holds the "
+                          "token, readable by this user") from None
+    if not stat.S_ISREG(mode):
+        raise ConfigError(f"{FILE_KEY}={path} is not a regular file: expected a file that holds the token")
+    if mode & 0o077:
+        raise ConfigError(f"{FILE_KEY}={path} has mode {stat.S_IMODE(mode):04o}: other users may read it; expected "
+                          f"0600 or stricter (only its owner reads it): run `chmod 600 {path}`")
+    token = data.decode("utf-8", errors="replace").strip()
+    if not token:
+        raise ConfigError(f"{FILE_KEY}={path} is empty: expected the token, e.g. written with\n"
+                          f"  python -c \"import secrets; print(secrets.token_hex(16))\" > {path}")
+    return token
+
+
+def with_auth_token(cfg: DapoConfig, environ: Mapping[str, str] | None = None) -> DapoConfig:
+    """``cfg`` with ``transport.auth_token`` taken from the first source in the module's order that
+    gives one; ``cfg`` unchanged when none does. ``environ``: default ``os.environ``."""
+    environ = os.environ if environ is None else environ
+    t = cfg.transport
+    given: list[tuple[str, str]] = []
+    if t.auth_token_file:
+        given.append((FILE_KEY, read_token_file(t.auth_token_file)))
+    if environ.get(TOKEN_ENV, "").strip():
+        given.append((TOKEN_ENV, environ[TOKEN_ENV].strip()))
+    if t.auth_token not in (DEFAULT_AUTH_TOKEN, REDACTED):
+        given.append((TOKEN_KEY, t.auth_token))
+    if len({token for _, token in given}) > 1:
+        raise ConfigError(f"{' and '.join(name for name, _ in given)} give different auth tokens: expected one token; "
+                          f"give it in one place ({FILE_KEY}, else {TOKEN_ENV}, else {TOKEN_KEY})")
+    if given:
+        return replace(cfg, transport=replace(t, auth_token=given[0][1]))
+    if t.auth_token == REDACTED:
+        raise ConfigError(f"{TOKEN_KEY} is {REDACTED} (a config dapo wrote holds no token): give the run's token as "
+                          f"{TOKEN_ENV}=<token> in the environment or as {FILE_KEY}=FILE (chmod 600 FILE)")
+    return cfg
+
+
+def redacted(cfg: DapoConfig, *, curve_secret_key: bool = False) -> DapoConfig:
+    """``cfg`` as it may be written or shown: a token other than the public default replaced by
+    ``REDACTED``; with ``curve_secret_key`` the replay queue's CURVE secret key too (which the
+    written config must keep: learner rank 0 reads it from there; that file is 0600)."""
+    t = cfg.transport
+    changes = {"auth_token": REDACTED} if t.auth_token != DEFAULT_AUTH_TOKEN else {}
+    if curve_secret_key and t.curve_server_secret_key:
+        changes["curve_server_secret_key"] = REDACTED
+    return replace(cfg, transport=replace(t, **changes)) if changes else cfg
+
+
+def is_token_override(item: str) -> bool:
+    """Whether the command-line override ``item`` sets ``transport.auth_token`` (any value)."""
+    key, sep, _ = item.partition("=")
+    return bool(sep) and key.lstrip("+~") == TOKEN_KEY
+
+
+def token_on_command_line(overrides: Sequence[str]) -> bool:
+    """Whether ``overrides`` (a command line) carry a token other than the public default."""
+    public = ("", DEFAULT_AUTH_TOKEN, REDACTED)
+    return any(is_token_override(item) and item.partition("=")[2].strip("'\" ") not in public for item in overrides)
+
+
+def command_line_token_message(public: bool) -> str:
+    """Why a token on a command line is refused (``public``: the services are reachable beyond
+    loopback) or warned about (on loopback, where the public default token is accepted too)."""
+    why = (f"{TOKEN_KEY}=... on the command line is readable by every user of this machine (ps, /proc/PID/cmdline)"
+           + ("; refused where the services are reachable beyond loopback" if public else ""))
+    return (f"{why}: give the token as {TOKEN_ENV}=<token> in the environment, or in a file only you can read: "
+            f"{FILE_KEY}=FILE (chmod 600 FILE)")
