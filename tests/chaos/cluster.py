@@ -81,7 +81,7 @@ class Cluster:
         self.config = [f"model.path={self.model_path}", f"run.run_dir={self.run_dir}",
                        f"transport.grpc_port={self.grpc_port}", f"transport.zmq_port={zmq_port}",
                        f"weights.side_channel_port={side_channel_port}", f"weights.collective_port={collective_port}",
-                       f"transport.auth_token={TOKEN}", f"transport.host={self.host}", *self.overrides]
+                       f"transport.host={self.host}", *self.overrides]
         self.address = f"{self.host}:{self.grpc_port}"
         self.learner: subprocess.Popen | None = None
         self.learner_log: Path | None = None
@@ -90,7 +90,8 @@ class Cluster:
         self.dead: list[subprocess.Popen] = []
         self.kills: list[KillRecord] = []
         self.rng = random.Random(self.seed)
-        self.env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        # The token in the environment, as a user gives it: never on a command line (dapo.auth_token).
+        self.env = {**os.environ, "PYTHONPATH": str(ROOT), "DAPO_TOKEN": TOKEN}
         self._learner_starts = 0
         self._actor_seq = 0
 

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from dapo.cli import SERVICES
-from dapo.config import load_config
+from dapo.config import load_config, public_bind_error
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -55,20 +55,30 @@ def test_dockerfile_parses_and_starts_a_dapo_service(name):
     assert entry[1] == name.split(".")[0]
 
 
-def test_compose_services_reference_existing_images_and_valid_configs():
+def test_compose_services_reference_existing_images_and_valid_configs(tmp_path):
     compose = yaml.safe_load((DOCKER / "compose.yaml").read_text())
     services = compose["services"]
     assert set(services) == {"learner", "actor"}
+    # The token is a compose secret read from its file, never an argument (readable in /proc/PID/cmdline).
+    assert compose["secrets"]["dapo_token"]["file"].startswith("${DAPO_TOKEN_FILE:?")
+    token = tmp_path / "token"
+    token.write_text("compose-secret\n")
+    token.chmod(0o600)
     for name, svc in services.items():
         dockerfile = (DOCKER / svc["build"]["context"]).resolve() / svc["build"]["dockerfile"]
         assert dockerfile.exists(), dockerfile
-        load_config(config_args(svc["command"]))
+        assert svc["secrets"] == ["dapo_token"] and not any("auth_token=" in a for a in svc["command"])
+        args = [a.replace("/run/secrets/dapo_token", str(token)) for a in config_args(svc["command"])]
+        assert "transport.auth_token_file=" + str(token) in args
+        cfg = load_config(args)
+        assert cfg.transport.auth_token == "compose-secret" and public_bind_error(cfg.transport) is None
     # `--scale actor=N` needs the actor not to pin a container name or host port.
     assert "container_name" not in services["actor"] and "ports" not in services["actor"]
     assert any(a.startswith("--learner=learner:") for a in services["actor"]["command"])
 
 
-def test_k8s_manifests_parse_and_run_valid_configs():
+def test_k8s_manifests_parse_and_run_valid_configs(monkeypatch):
+    monkeypatch.setenv("DAPO_TOKEN", "k8s-secret")
     docs = {}
     for path in sorted((DOCKER / "k8s").glob("*.yaml")):
         for doc in yaml.safe_load_all(path.read_text()):
@@ -79,8 +89,13 @@ def test_k8s_manifests_parse_and_run_valid_configs():
     for workload, image in ((learner, "dapo-learner"), (actor, "dapo-actor")):
         container = workload["spec"]["template"]["spec"]["containers"][0]
         assert container["image"].split(":")[0] == image
+        # The token comes from a Secret in the environment, never an argument.
+        assert container["env"] == [{"name": "DAPO_TOKEN", "valueFrom": {"secretKeyRef": {"name": "dapo-token",
+                                                                                          "key": "token"}}}]
+        assert not any("auth_token" in a or "DAPO_TOKEN" in a for a in container["args"])
         cfg = load_config(config_args(container["args"]))
         assert cfg.model.path.startswith("/models/")
+        assert cfg.transport.auth_token == "k8s-secret" and public_bind_error(cfg.transport) is None
     actor_args = actor["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--learner=dapo-learner-0.dapo-learner:50051" in actor_args
     assert learner["spec"]["selector"]["matchLabels"] == learner["spec"]["template"]["metadata"]["labels"]
