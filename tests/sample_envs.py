@@ -57,3 +57,20 @@ class NeverEndsEnv(EqualsEnv):
             with open(episode.ground_truth, "a") as f:
                 f.write(f"{len(episode.turns)}\n")
         return Step(observation=OBSERVATION, tool_call=True)
+
+
+SANDBOX_SLEEP_MARK = "dapo-sandboxed-sleep"
+
+
+class SandboxedSleepEnv(Environment):
+    """Each step runs a sandbox whose process sleeps five minutes with ``SANDBOX_SLEEP_MARK`` in its
+    command line (how a test finds it on the host), then ends the episode with reward 1."""
+
+    max_turns = 1
+
+    def step(self, episode: Episode) -> Step:
+        from actors.sandbox import Limits, run_python
+
+        run_python(f"import os, sys\nos.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(300)', "
+                   f"{SANDBOX_SLEEP_MARK!r}])", limits=Limits(cpu_s=10, wall_s=300.0))
+        return Step(done=True, reward=1.0, acc=True)

@@ -14,6 +14,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -217,3 +218,31 @@ def test_actor_survives_learner_restart_and_a_hanging_raising_verifier(cluster):
     assert c.actor_status(actor) is not None and "lost the learner" in log.read_text()
     actor.send_signal(signal.SIGTERM)
     assert actor.wait(60) == 0
+
+
+@pytest.mark.timeout(240)
+def test_an_actor_killed_mid_episode_leaves_no_sandbox_process_and_no_temp_dir(cluster):
+    """kill -9 of an actor whose environment steps are running sandboxes: its env workers die with
+    it (parent-death signal), each sandbox with its worker (bwrap's), and nothing was left on disk."""
+    import psutil
+
+    from tests.sample_envs import SANDBOX_SLEEP_MARK
+
+    def sandboxes() -> list[psutil.Process]:
+        return [p for p in psutil.process_iter(["cmdline"]) if SANDBOX_SLEEP_MARK in (p.info["cmdline"] or [])]
+
+    def temp_entries() -> set[str]:
+        return {name for name in os.listdir(tempfile.gettempdir()) if name.startswith("dapo-sandbox")}
+
+    before = temp_entries()
+    c = cluster()
+    actor, log = c.start_actor("a", **{"actor.env": "tests.sample_envs:SandboxedSleepEnv", "actor.env_timeout_s": 600})
+    c.start_learner("learner")
+    running = wait_for("sandboxes running an episode's step", sandboxes, 120, [actor])
+    owned = psutil.Process(actor.pid).children(recursive=True)
+    assert {p.pid for p in running} <= {p.pid for p in owned}, "the sandboxes are not the actor's descendants"
+    os.kill(actor.pid, signal.SIGKILL)
+    actor.wait(10)
+    _, alive = psutil.wait_procs(owned, timeout=15)
+    assert alive == [] and sandboxes() == []
+    assert temp_entries() == before
