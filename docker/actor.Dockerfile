@@ -2,6 +2,9 @@
 # or `kubectl scale deployment/dapo-actor --replicas=N`.
 FROM vllm/vllm-openai:v0.33.0
 WORKDIR /app
+# bubblewrap isolates model-written code (actors/sandbox.py). It needs user namespaces inside the
+# container: see compose.yaml (security_opt) and bench/RELIABILITY.md "The code sandbox".
+RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap && rm -rf /var/lib/apt/lists/*
 COPY pyproject.toml README.md /app/
 COPY dapo /app/dapo
 COPY actors /app/actors
