@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -420,3 +421,33 @@ def test_a_sandbox_dies_with_its_env_worker_when_the_step_times_out():
         assert alive == []
     finally:
         pool.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists("/usr/bin/python3") or not shutil.which("setpriv"),
+                    reason="root starts the non-root caller (setpriv) with the system Python")
+def test_a_non_root_caller_gets_the_same_isolation(tmp_path):
+    """A caller that is not root (no uid to drop to: the sandbox keeps the caller's uid, in its own
+    user namespace): its own files stay out of reach, orphans die, the task limit binds."""
+    uid = 4242
+    home = Path(tempfile.mkdtemp(prefix="dapo-caller-"))
+    try:
+        os.chown(home, uid, uid)
+        secret_file, target = home / "secret", home / "pwned"
+        secret_file.write_text(f"DAPO_TOKEN={uuid.uuid4().hex}\n")
+        os.chown(secret_file, uid, uid)
+        secret_file.chmod(0o600)
+        marker = f"dapo-orphan-{uuid.uuid4().hex[:8]}"
+        code = (f"import os\nprint(os.getuid())\ntry:\n    print(open({str(secret_file)!r}).read())\nexcept OSError:\n"
+                f"    pass\ntry:\n    open({str(target)!r}, 'w')\nexcept OSError:\n    pass\n" + orphan_code(marker))
+        launcher = ("import json, sys; sys.path.insert(0, sys.argv[1]); from actors.sandbox import run_python, Limits; "
+                    "r = run_python(sys.stdin.read(), limits=Limits(wall_s=20.0)); "
+                    "print(json.dumps([r.returncode, r.stdout, r.isolated]))")
+        proc = subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "/usr/bin/python3", "-c",
+                               launcher, str(ROOT)], input=code, capture_output=True, text=True, timeout=60, cwd=home,
+                              env={"PATH": "/usr/bin:/bin"})
+        assert proc.returncode == 0, proc.stderr
+        returncode, stdout, isolated = json.loads(proc.stdout)
+        assert (returncode, stdout, isolated) == (0, f"{uid}\n", True)  # its uid; nothing read
+        assert not target.exists() and host_processes_with(marker) == []
+    finally:
+        shutil.rmtree(home)
