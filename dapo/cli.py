@@ -57,12 +57,13 @@ def main(argv: list[str] | None = None) -> None:
         sub.add_parser(name, help=help_text, add_help=False)
     cfg_p = sub.add_parser("config", help="print the resolved config for the given overrides")
     cfg_p.add_argument("overrides", nargs="*")
-    data_p = sub.add_parser("data", help="dataset tools: `dapo data inspect FILE`")
+    data_p = sub.add_parser("data", help="dataset tools: `dapo data inspect FILE`, `dapo data convert IN OUT`")
     data_sub = data_p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
-    insp = data_sub.add_parser("inspect", help="show how a dataset's rows render into prompts")
-    insp.add_argument("file", help="verl-format .parquet or .jsonl, or `builtin`")
+    insp = data_sub.add_parser("inspect", help="show how a dataset's rows render into prompts and what scores them")
+    insp.add_argument("file", help="a dataset file or folder (see `dapo data convert --help`), or `builtin`")
     insp.add_argument("-n", "--rows", type=int, default=3, help="rows to show (default 3)")
     insp.add_argument("overrides", nargs="*", help="config overrides (model, data.prompt_template, ...)")
+    _add_convert_parser(data_sub)
     _add_model_parser(sub)
 
     if argv and argv[0] in SERVICES:  # services parse their own arguments (and --help)
@@ -72,7 +73,8 @@ def main(argv: list[str] | None = None) -> None:
     # `dapo data inspect FILE -n 2 key=value ...`: overrides may also follow an option, where
     # argparse leaves them unparsed.
     args, extra = parser.parse_known_args(argv)
-    if extra and (args.command != "data" or not all("=" in e and not e.startswith("-") for e in extra)):
+    if extra and (args.command != "data" or args.data_command != "inspect"
+                  or not all("=" in e and not e.startswith("-") for e in extra)):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if extra:
         args.overrides += extra
@@ -81,12 +83,43 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2)
     if args.command == "config":
         _print_config(args.overrides)
+    elif args.command == "data" and args.data_command == "convert":
+        from dapo.data import convert_main
+
+        convert_main(args.source, args.out, args.data_source, args.instruction, args.force)
     elif args.command == "data":
         from dapo.data import inspect_main
 
         inspect_main(args.file, args.rows, args.overrides)
     elif args.command == "model":
         _import_model(args.file, args.out)
+
+
+CONVERT_EPILOG = """\
+IN is what `data.train_path`, `dapo eval` and `dapo data inspect` also read directly:
+  a file (.parquet, .jsonl, .json, .arrow), a `datasets` save_to_disk folder (pass FOLDER/train for
+  a DatasetDict), a folder of one split's shards, or a pattern ('gsm8k/main/train-*.parquet').
+Rows: verl rows (reward_model.ground_truth) are kept; otherwise a question (prompt: TRL chat messages
+or text; question; problem) and a reference answer (ground_truth; answer; solution; completion: TRL)
+become a verl row. The ground truth is the number after GSM8K's `####`, else the last \\boxed{}, else
+the answer. data_source: --data-source, else the row's own, else `numeric` (a number) or `boxed`.
+  dapo data convert gsm8k/main/train-00000-of-00001.parquet gsm8k-train.parquet --data-source openai/gsm8k
+  dapo data convert my_math.jsonl math.parquet --data-source math_dapo
+verl's GSM8K rows add the instruction: --instruction 'Let'"'"'s think step by step and output the final answer after "####".'
+"""
+
+
+def _add_convert_parser(data_sub: argparse._SubParsersAction) -> None:
+    conv = data_sub.add_parser("convert", help="write a dataset (question/answer, TRL, `datasets` folder) as verl rows",
+                               description="Write IN as verl-format rows (data_source, prompt messages, "
+                                           "reward_model.ground_truth) to OUT (.parquet or .jsonl).",
+                               epilog=CONVERT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    conv.add_argument("source", metavar="IN", help="a dataset file, folder or pattern")
+    conv.add_argument("out", metavar="OUT", help="the .parquet or .jsonl file to write (refused if it exists)")
+    conv.add_argument("--data-source", default=None,
+                      help="every row's data_source (picks the verifier; `dapo data inspect` names it)")
+    conv.add_argument("--instruction", default="", help="text appended to each question after a space")
+    conv.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
 
 
 MODEL_EPILOG = """\

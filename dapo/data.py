@@ -3,8 +3,9 @@
 Rows are dicts in the verl / DAPO schema: ``data_source`` (str, picks the verifier in
 ``dapo.rewards``), ``prompt`` (list of ``{"role", "content"}`` chat messages),
 ``reward_model.ground_truth`` (str), ``extra_info.index``, plus whatever else the file holds.
-``load_rows`` reads ``.parquet`` (pyarrow) and ``.jsonl`` (one JSON object per line);
-``builtin`` rows come from ``dapo.task.make_builtin_rows``.
+``load_rows`` reads ``.parquet`` (pyarrow) and ``.jsonl`` (one JSON object per line), and the
+other containers and row schemas of ``dapo.formats`` (``datasets`` folders, GSM8K's
+question/answer, TRL's prompt columns); ``builtin`` rows come from ``dapo.task.make_builtin_rows``.
 
 Rendering a row into prompt text (``render_prompt``), exactly:
 
@@ -31,14 +32,13 @@ what remains (``PromptDataset``), stable for a given file and settings.
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from dapo import arith, code_task, envs, rewards, task
+from dapo import arith, code_task, envs, formats, rewards, task
 
 log = logging.getLogger(__name__)
 
@@ -73,29 +73,10 @@ class Prompt(NamedTuple):
 
 
 def load_rows(path: str | Path) -> list[dict[str, Any]]:
-    """All rows of a verl-format ``.parquet`` or ``.jsonl`` file, validated."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"dataset file {str(path)!r} does not exist: pass a verl-format "
-                                f".parquet or .jsonl file, or `builtin`.")
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        rows = pq.read_table(path).to_pylist()
-    elif path.suffix == ".jsonl":
-        rows = []
-        with path.open(encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{path}:{lineno}: not a JSON object ({exc.msg}); expected one "
-                                     f"verl-format row per line.") from None
-    else:
-        raise ValueError(f"dataset file {str(path)!r} has suffix {path.suffix!r}: expected .parquet "
-                         f"or .jsonl (verl format).")
+    """All rows of a dataset as verl rows, validated: a verl-format file, or any container and
+    row schema ``dapo.formats`` reads (``datasets`` folders, shards, .json/.arrow; plain
+    question/answer or TRL prompt columns, converted with the data source their answers imply)."""
+    rows = formats.to_verl_rows(formats.read_records(path), where=str(path))
     for i, row in enumerate(rows):
         _validate_row(row, f"{path} row {i}")
     return rows
@@ -213,7 +194,8 @@ BUILTIN_TASKS = {BUILTIN: task.make_builtin_rows, BUILTIN_LONG: task.make_chain_
 
 
 def rows_for(path: str, split: str, cfg: Any) -> list[dict[str, Any]]:
-    """Rows of ``path`` (a file or ``builtin``); ``split`` picks the built-in task's split."""
+    """Rows of ``path`` (a built-in task, or a file / folder / pattern ``load_rows`` reads);
+    ``split`` picks the built-in task's split."""
     if path in BUILTIN_TASKS:
         make = BUILTIN_TASKS[path]
         if split == "train":
@@ -221,7 +203,7 @@ def rows_for(path: str, split: str, cfg: Any) -> list[dict[str, Any]]:
         return make("eval", cfg.data.builtin_num_eval_prompts, BUILTIN_EVAL_SEED)
     if path.startswith("builtin"):
         raise ValueError(f"dataset {path!r} is not a built-in task: expected one of {', '.join(BUILTIN_TASKS)}, "
-                         "or a .parquet/.jsonl file.")
+                         "or a dataset file or folder.")
     return load_rows(path)
 
 
@@ -278,4 +260,57 @@ def inspect_main(file: str, rows: int, overrides: list[str]) -> None:
     print(f"rows: {ds.num_rows}  duplicates dropped: {ds.duplicates_dropped}  "
           f"longer than {cfg.data.max_prompt_tokens} tokens dropped: {ds.too_long_dropped}  prompts: {len(ds)}")
     print(f"prompt tokens: min {min(lengths)}  mean {sum(lengths) / len(lengths):.1f}  max {max(lengths)}")
-    print("data sources: " + ", ".join(f"{k} ({v})" for k, v in sources.most_common()))
+    print("data sources (rows) -> what scores them:")
+    for source, count in sources.most_common():
+        print(f"  {source} ({count}) -> {scorer_of(source, cfg)}")
+    try:  # what training would refuse (the learner's start-up check), after showing the rows
+        rewards.check_data_sources({s: n for s, n in sources.items() if not envs.env_spec(s, cfg.actor.env)},
+                                   f"file {file}", cfg.actor.reward_fn)
+    except rewards.UnknownDataSource as exc:
+        print(f"dapo: {exc}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def scorer_of(data_source: str, cfg: Any) -> str:
+    """What scores ``data_source`` rows under ``cfg``, in words: its multi-turn environment, a custom
+    ``actor.reward_fn``, or the verifier ``dapo.rewards`` picks (``NO VERIFIER`` when none does)."""
+    if env := envs.env_spec(data_source, cfg.actor.env):
+        return f"environment {env} (multi-turn)"
+    if cfg.actor.reward_fn != rewards.SCORE_FN:
+        return f"actor.reward_fn={cfg.actor.reward_fn}"
+    try:
+        return rewards.verifier_name(data_source)
+    except rewards.UnknownDataSource:
+        return "NO VERIFIER: training refuses these rows"
+
+
+def convert_main(source: str, out: str, data_source: str | None, instruction: str, force: bool) -> None:
+    """``dapo data convert IN OUT``: write ``IN`` (any container and schema ``dapo.formats`` reads) as
+    verl rows to ``OUT`` (.parquet or .jsonl), then say what scores each data source."""
+    target = Path(out)
+    try:
+        if target.suffix not in (".parquet", ".jsonl"):
+            raise ValueError(f"OUT {out!r} has suffix {target.suffix!r}: expected .parquet or .jsonl (verl format).")
+        if target.exists() and not force:
+            raise ValueError(f"OUT {out!r} exists: pass --force to overwrite it, or choose another path.")
+        rows = formats.to_verl_rows(formats.read_records(source), data_source=data_source, instruction=instruction,
+                                    where=source)
+        for i, row in enumerate(rows):
+            _validate_row(row, f"{source} row {i}")
+        if not rows:
+            raise ValueError(f"{source} holds no rows.")
+    except (OSError, ValueError) as exc:
+        print(f"dapo data convert: {exc}", file=sys.stderr)
+        raise SystemExit(2)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    formats.write_rows(rows, target)
+    sources = Counter(r["data_source"] for r in rows)
+    print(f"wrote {len(rows)} verl rows to {out}; data sources (rows) -> verifier:")
+    for name, count in sources.most_common():
+        try:
+            scorer = rewards.verifier_name(name)
+        except rewards.UnknownDataSource:
+            scorer = "NO VERIFIER in dapo.rewards: train with actor.reward_fn=module:function"
+        print(f"  {name} ({count}) -> {scorer}")
+    first = rows[0]
+    print(f"row 0: ground_truth={first['reward_model']['ground_truth']!r}  prompt={first['prompt'][-1]['content'][:120]!r}")

@@ -6,13 +6,13 @@ The verifier is chosen by the row's ``data_source`` (``verifier_for``; names in 
   ``math_dapo_cispo_cold_start_model``, the toy jsonl's ``debug/dapo_math``): the last ``Answer:``
   in the last 300 characters, the DAPO normalisation (``dapo.math_normalize``) of prediction and
   ground truth, string equality. Reproduces the paper's verifier exactly.
-- ``\\boxed{}``, ``verify_boxed`` (``aime*`` such as ``aime24``, ``BOXED_SOURCES``): the last
+- ``\\boxed{}``, ``verify_boxed`` (``aime*`` such as ``aime24``, ``BOXED_SOURCES``: verl's MATH names, ``boxed``): the last
   ``\\boxed{..}`` in the last 1000 characters (else the DAPO ``Answer:`` line: AIME prompted with
   the DAPO template), the same normalisation, then equal as numbers when both are plain decimals
   ("042" == "42" == "42.0"), else as strings.
 - ``dapo_builtin``, the built-in task (``dapo.task.verify``): the integer on the last ``Answer:``
   line equals the sum.
-- ``numeric``, ``verify_numeric`` (``NUMERIC_SOURCES``; GSM8K-style data, dapo.arith's task): lenient,
+- ``numeric``, ``verify_numeric`` (``NUMERIC_SOURCES``: ``numeric``, verl's ``openai/gsm8k``; dapo.arith's task): lenient,
   as GSM8K's "flexible-extract" scoring: the last number in the last 1000 characters, unless an
   explicit answer holds one (the last ``\\boxed{}``, else the last ``#### 42`` line), compared
   exactly as decimals (56 == 56.0 == 056; "1,234" == 1234; "$-5" == -5). The ground truth is read
@@ -57,9 +57,14 @@ ERROR_PRED = "[error]"
 
 DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning", "debug/dapo_math")
 DAPO_PREFIXES = ("math_dapo",)
-BOXED_SOURCES = ("lighteval/MATH", "HuggingFaceH4/MATH-500", "DigitalLearningGmbH/MATH-lighteval")
+BOXED_SOURCES = ("boxed", "lighteval/MATH", "HuggingFaceH4/MATH-500", "DigitalLearningGmbH/MATH-lighteval")
+"""verl's MATH names (``default_compute_score``: ``math_reward``, a boxed answer) and ``boxed``, the
+name ``dapo.formats`` gives converted rows whose reference answer is boxed."""
 BOXED_PREFIXES = ("aime",)
-NUMERIC_SOURCES = ("numeric",)
+NUMERIC_SOURCES = ("numeric", "openai/gsm8k")
+"""``openai/gsm8k``: verl's GSM8K rows (examples/data_preprocess/gsm8k.py; ground truth the number after
+the solution's ``####``). verl scores them strictly (a ``#### N`` line in the response, else 0);
+here leniently, as GSM8K's flexible-extract: a ``#### N`` line still wins when the response has one."""
 NUMERIC_TAIL_CHARS = 1000
 """The numeric verifier reads only this many trailing characters of a response."""
 
@@ -188,6 +193,18 @@ def known_sources() -> str:
             f"{'*, '.join(BOXED_PREFIXES)}*, {', '.join(BOXED_SOURCES)} (boxed); "
             f"{', '.join(NUMERIC_SOURCES)} (last number, GSM8K flexible-extract); {task.DATA_SOURCE} (built-in task); "
             f"{task.CALC_DATA_SOURCE} (built-in calculator task, multi-turn: dapo.envs.Calculator)")
+
+
+VERIFIER_NAMES = {verify_dapo_math: "math_dapo (the last `Answer:` line)",
+                  verify_boxed: "boxed (the last \\boxed{}, else `Answer:`)",
+                  verify_numeric: "numeric (a `####` / \\boxed{} number, else the last number)",
+                  task.verify: "builtin (the `Answer:` integer)"}
+
+
+def verifier_name(data_source: str) -> str:
+    """What scores ``data_source`` under ``score``, in words (``dapo data inspect``); UnknownDataSource
+    when nothing does."""
+    return VERIFIER_NAMES[verifier_for(data_source)]
 
 
 def verifier_for(data_source: str) -> AnswerCheck:
