@@ -105,7 +105,7 @@ become a verl row. The ground truth is the number after GSM8K's `####`, else the
 the answer. data_source: --data-source, else the row's own, else `numeric` (a number) or `boxed`.
   dapo data convert gsm8k/main/train-00000-of-00001.parquet gsm8k-train.parquet --data-source openai/gsm8k
   dapo data convert my_math.jsonl math.parquet --data-source math_dapo
-verl's GSM8K rows add the instruction: --instruction 'Let'"'"'s think step by step and output the final answer after "####".'
+verl's GSM8K rows also add an instruction: --instruction "Let's think step by step and output the final answer after \\"####\\"."
 """
 
 
