@@ -522,7 +522,15 @@ def public_bind_error(t: TransportConfig) -> str | None:
 @dataclass
 class RunConfig:
     run_dir: str = "runs/latest"
-    """Folder for metrics, plots, checkpoints and the HF export of this run."""
+    """Folder of this run: its config, metrics, audit, plots, checkpoints, weights and HF export
+    (dapo/rundir.py). A folder named ``latest`` (the default) is a link: each fresh start writes a
+    new folder beside it named by its start time (``runs/20261206-101502``) and points the link at
+    it; with ``learner.resume`` set the run it points at continues. Any other folder is used as
+    given, and refused when it holds another run (unless ``learner.resume`` continues it or
+    ``run.overwrite`` replaces it) or files dapo did not write."""
+    overwrite: bool = False
+    """Start a fresh run in a ``run_dir`` that holds another run: that run's files (metrics, audit,
+    checkpoints, weights, export, logs) are removed first; files dapo did not write are kept."""
     cache_dir: str = ".cache/dapo"
     """Folder for built artefacts reused across runs (the embedded tiny model and its warm start,
     fetched built-in models)."""

@@ -6,7 +6,8 @@
      run_state.json                        step, version, coordinator.state_dict() (cursor, leases,
                                            trained prompts, counters), replay-queue counters — rank 0
      rng_rank<r>.json                      torch CPU RNG state of each rank (hex)
-     hf/                                   config + tokenizer files of the model (for `dapo export`)
+     hf/                                   config + tokenizer files of the model and the run's config
+                                           without secrets (dapo_config.json), for `dapo export`
  then rank 0 renames .tmp_step_<N> -> step_<N> (atomic on one filesystem) after a barrier.
 ```
 
@@ -31,6 +32,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from dapo.rundir import CARRIED_CONFIG
 
 HF_META_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                  "special_tokens_map.json", "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja")
@@ -59,8 +62,11 @@ def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:
 
 
 def save(run_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-         scheduler: Any, run_state: dict[str, Any] | None, model_path: str | Path | None) -> Path:
-    """Collective. ``run_state`` (step, version, coordinator state) is only needed on rank 0."""
+         scheduler: Any, run_state: dict[str, Any] | None, model_path: str | Path | None,
+         carried_config: dict[str, Any] | None = None) -> Path:
+    """Collective. ``run_state`` (step, version, coordinator state) is only needed on rank 0;
+    ``carried_config`` (dapo.rundir.carried_config: how the run sampled) goes into ``hf/`` beside the
+    model's files, and from there into every export of this checkpoint."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -81,6 +87,8 @@ def save(run_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torc
             for name in HF_META_FILES:
                 if (Path(model_path) / name).exists():
                     shutil.copy2(Path(model_path) / name, tmp / "hf" / name)
+            if carried_config is not None:
+                (tmp / "hf" / CARRIED_CONFIG).write_text(json.dumps(carried_config, indent=1) + "\n")
     dist.barrier()
     if rank == 0:
         _fsync_dir(tmp)

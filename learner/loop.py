@@ -31,10 +31,11 @@ import torch.distributed as dist
 
 from dapo.config import DapoConfig
 from dapo.heap import heap_stats, release_free_heap
+from dapo.rundir import carried_config
 from learner import checkpoint
 from learner.batch import batch_metrics, from_groups, scatter_batch
 from learner.rank0 import Rank0Services
-from learner.snapshots import save_snapshot, snapshot_root
+from learner.snapshots import read_index, save_snapshot, snapshot_root
 from learner.trainer import Trainer
 
 WAIT, BATCH, STOP, ERROR = 0, 1, 2, 3
@@ -217,16 +218,29 @@ def publish_version(services: Rank0Services, state_dict: dict[str, torch.Tensor]
     return out
 
 
-def publish_initial(services: Rank0Services, state_dict: dict[str, torch.Tensor], step: int) -> None:
-    """Version ``step`` before the first training step: actors sync to it; eval gives the curve's start."""
-    publish_version(services, state_dict, step, services.evaluator is not None, {})
-    hold(services, step, {"version": float(step)}, awaits_eval=services.evaluator is not None)
-    flush_records(services)
+def publish_initial(services: Rank0Services, state_dict: dict[str, torch.Tensor], step: int, *,
+                    log_record: bool = True) -> None:
+    """Version ``step`` before the first training step: actors sync to it; eval gives the curve's start.
+    ``log_record`` False (a resumed run whose history has that step's record): publish only."""
+    evaluate = log_record and services.evaluator is not None
+    publish_version(services, state_dict, step, evaluate, {})
+    if log_record:
+        hold(services, step, {"version": float(step)}, awaits_eval=evaluate)
+        flush_records(services)
+
+
+def snapshot_due(cfg: DapoConfig, step: int) -> bool:
+    """Version ``step`` is one ``learner.save_weights_every_steps`` keeps (0 and every K-th) and has no
+    snapshot yet (a resumed run's snapshot of its start step is the stopped run's, kept with its time)."""
+    every = cfg.learner.save_weights_every_steps
+    return bool(every) and step % every == 0 and all(
+        int(e["step"]) != step for e in read_index(snapshot_root(cfg.run.run_dir)))
 
 
 def save_weights(cfg: DapoConfig, state_dict: dict[str, torch.Tensor], model_path: str, step: int) -> None:
     """Version ``step`` as an HF folder (``learner.save_weights_every_steps``, learner/snapshots.py)."""
-    save_snapshot(state_dict, model_path, snapshot_root(cfg.run.run_dir), step, getattr(torch, cfg.model.dtype))
+    save_snapshot(state_dict, model_path, snapshot_root(cfg.run.run_dir), step, getattr(torch, cfg.model.dtype),
+                  carried_config(cfg))
 
 
 def save_checkpoint(cfg: DapoConfig, trainer: Trainer, services: Rank0Services | None, step: int,
@@ -234,7 +248,7 @@ def save_checkpoint(cfg: DapoConfig, trainer: Trainer, services: Rank0Services |
     run_state = {"step": step, "version": step, "coordinator": services.coordinator.state_dict(),
                  "replay": services.replay.state_dict()} if services else None
     checkpoint.save(cfg.run.run_dir, step, trainer.model, trainer.optimizer, trainer.scheduler, run_state,
-                    model_path)
+                    model_path, carried_config(cfg) if services else None)
 
 
 def hold(services: Rank0Services, step: int, values: dict[str, float], *, awaits_eval: bool) -> None:

@@ -20,6 +20,7 @@ import torch.distributed as dist  # noqa: E402
 
 from dapo.config import DapoConfig, load_resolved  # noqa: E402
 from learner import checkpoint, loop  # noqa: E402
+from learner.history import History, continue_history  # noqa: E402
 from learner.rank0 import Rank0Services, start_services  # noqa: E402
 from learner.trainer import Trainer, TrainerSettings  # noqa: E402
 
@@ -45,12 +46,20 @@ def main(argv: list[str]) -> int:
     resume = checkpoint.resolve_resume(cfg.learner.resume, cfg.run.run_dir)
     run_state = checkpoint.load(resume, trainer.model, trainer.optimizer, trainer.scheduler) if resume else {}
     start_step = int(run_state.get("step", 0))
+    # A resume continues its run's history (cut back to the checkpoint's step) before anything is logged.
+    history = continue_history(cfg.run.run_dir, start_step) if dist.get_rank() == 0 and cfg.learner.resume \
+        else History()
     services = start_services(cfg, model_path, run_state, device) if dist.get_rank() == 0 else None
     state_dict = trainer.full_state_dict()  # version start_step, so actors can sync before step 1
     if services is not None:
-        loop.publish_initial(services, state_dict, start_step)
-        if cfg.learner.save_weights_every_steps:
+        loop.publish_initial(services, state_dict, start_step, log_record=not history.has_step)
+        if loop.snapshot_due(cfg, start_step):
             loop.save_weights(cfg, state_dict, str(model_path), start_step)
+        if history.rolled_back_lines or history.rolled_back_checkpoints:
+            print(f"learner: resumed at step {start_step}: the history continues from there; the stopped run's "
+                  f"later steps ({history.rolled_back_lines} line(s), checkpoints "
+                  f"{list(history.rolled_back_checkpoints)}) are set aside in logs/rolled_back.jsonl and "
+                  "checkpoints/rolled_back/, their prompts are trained again", flush=True)
         print(f"learner: {dist.get_world_size()} rank(s) on {device} ({'FSDP2' if trainer.sharded else 'plain module'}, "
               f"{str(trainer.compute_dtype).removeprefix('torch.')} compute, {torch.get_num_threads()} thread(s)), "
               f"{'resumed from ' + str(resume) if resume else 'fresh start'} at step {start_step}", flush=True)

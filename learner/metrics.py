@@ -1,8 +1,9 @@
 """Learner metrics sinks (rank 0): JSONL (always), TensorBoard, W&B (optional), Prometheus (flag).
 
-One record per training step: a flat dict with ``step``, ``time_s`` (since the learner started)
-and namespaced keys with units (``time/train_s``, ``train/loss``, ``weights/bytes``). JSONL is the
-source of truth (dapo.plots and ``dapo run`` read it); the others mirror it.
+One record per training step: a flat dict with ``step``, ``time_s`` (since the learner started; a
+resumed run's clock goes on from its last record) and namespaced keys with units (``time/train_s``,
+``train/loss``, ``weights/bytes``). JSONL is the source of truth (dapo.plots and ``dapo run`` read
+it); the others mirror it.
 """
 
 from __future__ import annotations
@@ -24,9 +25,12 @@ class MetricsLogger:
 
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._t0 = time.monotonic()
+        # A resumed run appends to its history (learner/history.py cut it back to the checkpoint's
+        # step): its clock goes on from the last record, and TensorBoard hides its own later steps.
+        last = last_record(self.run_dir / "metrics.jsonl")
+        self._t0 = time.monotonic() - (float(last["time_s"]) if last else 0.0)
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)  # line-buffered: tails see whole lines
-        self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=int(last["step"]) + 1 if last else None)
         self._wandb = None
         if wandb:
             try:
@@ -72,3 +76,19 @@ class MetricsLogger:
         self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def last_record(path: Path, tail_bytes: int = 1 << 16) -> dict | None:
+    """The last complete record of a metrics.jsonl (None when there is none), reading its tail only."""
+    if not path.is_file():
+        return None
+    with open(path, "rb") as f:
+        start = max(0, f.seek(0, 2) - tail_bytes)
+        f.seek(start)
+        lines = f.read().split(b"\n")
+    for line in reversed(lines[1:] if start else lines):  # from mid-file, the first line is partial
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    return None

@@ -20,6 +20,7 @@ from typing import Mapping
 
 import torch
 
+from dapo.rundir import CARRIED_CONFIG
 from learner.checkpoint import HF_META_FILES
 
 INDEX = "index.jsonl"
@@ -30,9 +31,10 @@ def snapshot_root(run_dir: str | Path) -> Path:
 
 
 def save_snapshot(state_dict: Mapping[str, torch.Tensor], model_path: str | Path, root: str | Path, step: int,
-                  dtype: torch.dtype) -> Path:
+                  dtype: torch.dtype, carried_config: Mapping | None = None) -> Path:
     """Write ``state_dict`` (a full, unsharded state dict) as ``root/step_<step>`` in ``dtype`` with the
-    config and tokenizer files of ``model_path``, and append its line to ``root/index.jsonl``.
+    config and tokenizer files of ``model_path`` (and ``carried_config``, the run's sampling settings for
+    ``dapo eval``: dapo.rundir.CARRIED_CONFIG), and append its line to ``root/index.jsonl``.
     A tied ``lm_head.weight`` is left out, as ``save_pretrained`` does: loaders re-tie it."""
     from safetensors.torch import save_file
 
@@ -48,6 +50,8 @@ def save_snapshot(state_dict: Mapping[str, torch.Tensor], model_path: str | Path
     for name in HF_META_FILES:
         if (Path(model_path) / name).exists():
             shutil.copy2(Path(model_path) / name, tmp / name)
+    if carried_config is not None:
+        (tmp / CARRIED_CONFIG).write_text(json.dumps(carried_config, indent=1) + "\n")
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     with open(root / INDEX, "a") as f:

@@ -24,10 +24,12 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 from typing import Mapping
 
 from dapo.config import DapoConfig, save_resolved
 from dapo.launch import die_with_parent, kill_tree, latest_checkpoint, resolve_config, spawn, token_env
+from dapo.rundir import LATEST, claim_or_exit
 from protos.net import route_source_address
 
 HELP = """\
@@ -43,7 +45,8 @@ Examples:
   dapo learner learner.num_ranks=2 learner.total_steps=50 run.run_dir=runs/a
   dapo learner learner.resume=latest run.run_dir=runs/a          # continue a killed run
   DAPO_TOKEN=SECRET dapo learner transport.host=0.0.0.0       # accept remote actors (a token of your own)
-  dapo learner --config runs/a/config.resolved.json  # an earlier run's resolved config, no overrides
+  dapo learner --config FILE.json   # a resolved config as a launcher writes it, no overrides (its
+                                    # run.run_dir obeys the same rules: new, or learner.resume set)
 Multi-node (torchrun's flags, given before the overrides):
   dapo learner --nnodes=2 --node-rank=0 --rdzv-endpoint=HOST:29400 --rdzv-id=run1 learner.num_ranks=8
   (learner.num_ranks is the ranks per node; only global rank 0 serves actors.) Each node's ranks run
@@ -59,12 +62,16 @@ so. A second Ctrl-C / SIGTERM kills the ranks at once (no final checkpoint; exit
 Security: with transport.host other than loopback (127.x, localhost, ::1) the default
 transport.auth_token is refused at start-up; generate one with
   python -c "import secrets; print(secrets.token_hex(16))"
-
-Writes run.run_dir: config.resolved.json, metrics.jsonl, trained_prompts.jsonl, tensorboard/, checkpoints/.
-Every key is documented in dapo/config.py; `dapo config [overrides]` prints the resolved config.
 and give it in the environment (DAPO_TOKEN=...) or in a file only you can read
 (transport.auth_token_file=FILE, chmod 600 FILE), never as transport.auth_token=... on the command
 line, where every user of the machine can read it (refused beyond loopback, a warning on it).
+
+Writes run.run_dir: config.resolved.json, metrics.jsonl, trained_prompts.jsonl, tensorboard/, checkpoints/.
+The default run.run_dir=runs/latest makes a new folder runs/<date>-<time> and points runs/latest to it
+(with learner.resume set: continues the run it points to). A folder that holds another run is refused
+unless learner.resume=latest continues it (one history: metrics, audit and curves span the whole run)
+or run.overwrite=true replaces it.
+Every key is documented in dapo/config.py; `dapo config [overrides]` prints the resolved config.
 """
 
 # torchrun flags that take a value (given as --flag VALUE or --flag=VALUE; torchrun takes '_' for '-').
@@ -116,7 +123,7 @@ def main() -> None:
         signal.signal(sig, lambda signum, _frame: received.append(signum))
     shell_exit_codes = SHELL_EXIT_CODES in argv
     torchrun, overrides, config = split_args([a for a in argv if a != SHELL_EXIT_CODES])
-    cfg = resolve_config("dapo learner", overrides, config)
+    cfg = claim_run_dir(resolve_config("dapo learner", overrides, config), torchrun)
     if received:
         print(f"dapo learner: stopped ({signal.Signals(received[0]).name}) before starting anything", flush=True)
         raise SystemExit(128 + received[0] if shell_exit_codes else 0)
@@ -126,6 +133,18 @@ def main() -> None:
     # The ranks read the written config, which holds no token: it reaches them in their environment.
     rc = run_torchrun(torchrun_command(cfg, torchrun), received, cfg.run.run_dir, {**env, **token_env(cfg)})
     raise SystemExit(128 + received[0] if received and rc == 0 and shell_exit_codes else rc)
+
+
+def claim_run_dir(cfg: DapoConfig, torchrun: list[str]) -> DapoConfig:
+    """``cfg`` with the run folder claimed (dapo/rundir.py) by one node only: the one with ``--node-rank``
+    0 (or none given); the others write their shards where it says. Several nodes need a folder
+    named by the user: each would make a versioned folder of its own from ``runs/latest``."""
+    nodes = {a.split("=")[0].replace("_", "-") for a in torchrun} & {"--nnodes", "--rdzv-endpoint", "--master-addr"}
+    if nodes and Path(cfg.run.run_dir).name == LATEST:
+        print(f"dapo learner: several nodes ({', '.join(sorted(nodes))}) need one run folder on storage they all "
+              f"share: pass run.run_dir=FOLDER (the same on every node)", file=sys.stderr)
+        raise SystemExit(2)
+    return claim_or_exit(cfg, "dapo learner") if flag_value(torchrun, "--node-rank") in (None, "0") else cfg
 
 
 def torchrun_command(cfg: DapoConfig, torchrun: list[str]) -> list[str]:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from dapo.config import DapoConfig, make_run_dir, save_resolved
 from dapo.launch import latest_checkpoint, reserve_port, resolve_config, signal_on_parent_death, spawn, token_env
+from dapo.rundir import claim_or_exit
 from dapo.runtime import apply_service_env
 
 HELP = """\
@@ -40,6 +41,9 @@ Start a learner and run.num_actors actors on this machine and train until learne
 Everything after the flags is a Hydra override, e.g.
   dapo run run.num_actors=2 learner.num_ranks=2 algorithm.max_staleness_steps=2
 Writes run.run_dir: config.resolved.json, metrics.jsonl, curves.png, tensorboard/, checkpoints/, hf/, logs/.
+Each run gets a folder of its own: by default runs/<date>-<time>, with runs/latest pointing to the
+newest; a run.run_dir=FOLDER that holds another run is refused unless learner.resume=latest continues
+it or run.overwrite=true replaces it.
 """
 
 STOP_GRACE_S = 30.0
@@ -153,10 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         while not stop["why"]:
             progress.poll()
-            if not startup_shown and any("time/step_s" in r for r in progress.records):
+            # This start's records only: a resumed run's metrics.jsonl holds its whole history.
+            ours = [r for r in progress.records if r.get("unix_time_s", 0) >= started_unix_s]
+            if not startup_shown and any("time/step_s" in r for r in ours):
                 startup_shown = True
-                progress.bar.write(startup_breakdown(run_dir, progress.records, started_unix_s, spawned_unix_s),
-                                   file=sys.stderr)
+                progress.bar.write(startup_breakdown(run_dir, ours, started_unix_s, spawned_unix_s), file=sys.stderr)
             if not learner.alive():
                 stop["why"] = f"learner exited ({learner.proc.returncode})"
             elif cfg.run.max_wall_time_s and time.monotonic() - t0 > cfg.run.max_wall_time_s:
@@ -187,11 +192,10 @@ def main(argv: list[str] | None = None) -> int:
 def prepare(overrides: list[str]) -> tuple[DapoConfig, Path]:
     """The run's config, composed once and completed (the model folder, a free port for each port
     given as 0), and the file it was written to for the learner; a fresh run folder (0700 when new)."""
-    cfg = resolve_config("dapo run", overrides)
+    cfg = resolve_config("dapo run", overrides, starts_actors=True)  # checked before any folder is claimed
+    cfg = claim_or_exit(cfg, "dapo run")  # a new folder, or its own run's
     run_dir = make_run_dir(cfg.run.run_dir)
     (run_dir / "logs").mkdir(exist_ok=True)
-    for stale in ("metrics.jsonl", "trained_prompts.jsonl"):
-        (run_dir / stale).unlink(missing_ok=True)  # a fresh run never mixes with an old one
     cfg = with_learner_threads(with_free_ports(cfg))
     return cfg, save_resolved(cfg)
 
@@ -240,9 +244,11 @@ def target_line(records: list[dict], target: float, started_unix_s: float) -> st
     last = progress_last(records, "eval/accuracy")
     if not hit:
         return f"dapo run: eval accuracy {first} -> {last}; target {target} not reached"
+    wall_s = _unix_time_at_step(records, hit[0], 'eval/accuracy') - started_unix_s
+    if wall_s < 0:  # a resumed run that had reached it before this start
+        return f"dapo run: eval accuracy {first} -> {last}; target {target} reached at step {hit[0]:.0f}, before the resume"
     return (f"dapo run: eval accuracy {first} -> {last}; target {target} reached at step {hit[0]:.0f} in "
-            f"{_unix_time_at_step(records, hit[0], 'eval/accuracy') - started_unix_s:.1f} s of wall time "
-            f"from `dapo run` ({hit[1]:.0f} s into training)")
+            f"{wall_s:.1f} s of wall time from `dapo run` ({hit[1]:.0f} s into training)")
 
 
 def with_free_ports(cfg):

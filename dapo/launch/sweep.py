@@ -23,6 +23,7 @@ from dapo.auth_token import is_token_override
 from dapo.config import DapoConfig
 from dapo.launch import resolve_config, signal_on_parent_death, spawn, token_env
 from dapo.plots import mean_of, plot_sweep, read_metrics, series, setting_of, time_to_target
+from dapo.rundir import RunDirError, check_free
 
 
 def point_command(overrides: list[str], cfg: DapoConfig) -> tuple[list[str], dict[str, str]]:
@@ -128,7 +129,15 @@ def main(argv: list[str] | None = None) -> int:
             # model stay those of run.seed, so seeds compare the algorithm, not the start.
             overrides = [*args.overrides, f"{key}={value}", f"learner.seed={seed}", f"actor.seed={seed}",
                          f"run.run_dir={out_dir / label}"]
-            cfg = resolve_config("dapo sweep", overrides)  # fail before the first run, not after an hour
+            # fail before the first run, not after an hour
+            cfg = resolve_config("dapo sweep", overrides, starts_actors=True)
+            if not cfg.run.overwrite:
+                try:
+                    check_free(out_dir / label, "dapo sweep")
+                except RunDirError as exc:
+                    print(f"{exc}: pass another --name, or run.overwrite=true to replace the sweep's runs",
+                          file=sys.stderr)
+                    return 2
             points.append((label, overrides, cfg))
     target = args.target if args.target is not None else cfg.run.target_accuracy
     out_dir.mkdir(parents=True, exist_ok=True)
