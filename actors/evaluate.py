@@ -13,8 +13,12 @@ over 32 samples of every prompt. pass@k is the unbiased estimator of Chen et al.
 the fraction of prompts with at least one correct sample; pass@1 from the same samples equals
 avg@k when every prompt has k samples (both are reported so that either convention can be read).
 
-Sampling settings come from the flags, not from ``actor.*`` (eval defaults differ from
-training's: top_p 0.7, k 32); Hydra overrides set what eval shares with training (see --help).
+Sampling settings (temperature, top_p, the response cap, the prompt template, dtype) are the
+run's: from the config MODEL carries (an export or weight snapshot of a dapo run, or a run folder),
+else from the config the overrides compose (a preset, or the defaults); each flag overrides its
+setting (actors/eval_settings.py). So with no flags eval reproduces the run's held-out figure in
+expectation; the paper's protocol is ``--top-p 0.7``. The report and the table say where the
+settings came from.
 """
 
 from __future__ import annotations
@@ -27,10 +31,11 @@ import os
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from actors.eval_settings import check_report_path, eval_config, fill_sampling, settings_line, truncation_warning
 from dapo import rewards
 from dapo.data import BUILTIN_TASKS, TEMPLATES, Prompt, PromptDataset, rows_for
 from dapo.envs import env_spec
@@ -162,10 +167,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             "multi-turn environment (actor.env, or the data_source's own: dapo/envs.py ENVS) run as episodes\n"
             "with their tools, as the actors run them (actor.max_turns, actor.env_workers, actor.env_timeout_s)."),
         epilog="Examples:\n"
-               "  dapo eval builtin:tiny builtin --k 8\n"
+               "  dapo eval builtin:tiny builtin --k 8       (the embedded default's first held-out figure)\n"
+               "  dapo eval runs/latest/hf builtin           (a run's export: its last held-out figure, sampled\n"
+               "                                              with the run's settings, from hf/dapo_config.json)\n"
+               "  dapo eval runs/latest/weights/step_20 builtin   (a weight snapshot of the run)\n"
                "  dapo eval builtin:tiny data/aime-2024.parquet --k 2 --limit 8\n"
-               "  dapo eval runs/latest/hf builtin:arith experiment=smollm2_arith --k 8 --top-p 1.0"
-               "   (that preset's held-out figure)\n"
                "  dapo eval /models/Qwen2.5-Math-7B aime-2024.parquet --k 32 --top-p 0.7 "
                "--max-response-tokens 3072 --out aime.json\n"
                "Hydra overrides (key=value, see dapo/config.py) set what eval shares with training:\n"
@@ -174,7 +180,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                "  run.cache_dir, run.seed                       where builtin:tiny is built, and its seed",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", metavar="MODEL",
-                        help="HF model folder (with config.json), or builtin:tiny (the embedded tiny model)")
+                        help="HF model folder (with config.json; an export or weight snapshot of a dapo run "
+                             "carries the run's settings), a run folder (its export hf/ with its config), or "
+                             "builtin:tiny (the embedded tiny model)")
     parser.add_argument("data", metavar="DATA",
                         help="verl-format .parquet or .jsonl (data_source, prompt, reward_model.ground_truth), "
                              f"or a built-in task's held-out split: {', '.join(BUILTIN_TASKS)} (`builtin` is the "
@@ -182,28 +190,35 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                              "experiment=smollm2_arith)")
     parser.add_argument("overrides", nargs="*", metavar="OVERRIDE", help="Hydra config overrides (key=value)")
     parser.add_argument("--k", type=int, default=32, help="samples per prompt (default 32: avg@32)")
-    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1.0)")
-    parser.add_argument("--top-p", type=float, default=0.7, help="nucleus sampling threshold (default 0.7)")
+    parser.add_argument("--temperature", type=float, default=None,
+                        help="sampling temperature (default: the run's or the config's actor.temperature)")
+    parser.add_argument("--top-p", type=float, default=None,
+                        help="nucleus sampling threshold (default: the run's or the config's actor.top_p, 1.0 "
+                             "as training samples; the DAPO paper's evaluation uses 0.7)")
     parser.add_argument("--max-response-tokens", type=int, default=None,
-                        help="generation limit per sample, in tokens (default: the config's "
+                        help="generation limit per sample, in tokens (default: the run's or the config's "
                              "actor.max_response_tokens, the training limit)")
-    parser.add_argument("--prompt-template", choices=TEMPLATES, default="auto",
+    parser.add_argument("--prompt-template", choices=TEMPLATES, default=None,
                         help="how rows become prompts, as in training: chat (tokenizer chat template), dapo "
                              "(the DAPO math instruction around the problem, then chat), raw (message text as is), "
-                             "auto (chat, as training's default). Default auto; see dapo/data.py")
+                             "auto (chat, as training's default). Default: the run's or the config's "
+                             "data.prompt_template; see dapo/data.py")
     parser.add_argument("--limit", type=int, default=None, metavar="ROWS",
                         help="evaluate only the first ROWS prompts (after deduplication)")
     parser.add_argument("--skip-long-prompts", action="store_true",
                         help="evaluate the prompts that fit and list the others in the report, instead of "
                              "stopping with an error when a prompt plus --max-response-tokens exceeds the "
                              "model's context (prompts are never truncated)")
-    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
-                        help="vLLM dtype (default auto: the model config's torch_dtype, float32 when unset)")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None,
+                        help="vLLM dtype (default: the run's model.dtype for a model that carries its run's "
+                             "config, else auto: the model config's torch_dtype, float32 when unset)")
     parser.add_argument("--seed", type=int, default=0,
                         help="engine seed (default 0): the same command gives the same samples")
     parser.add_argument("--samples-per-batch", type=int, default=DEFAULT_SAMPLES_PER_BATCH,
                         help=f"samples (prompts x k) per vLLM call (default {DEFAULT_SAMPLES_PER_BATCH})")
-    parser.add_argument("--out", type=Path, metavar="FILE.json", help="write the report as JSON")
+    parser.add_argument("--out", type=Path, metavar="FILE.json",
+                        help="write the report as JSON (a new file, or an earlier report of dapo eval)")
+    parser.add_argument("--force", action="store_true", help="let --out replace a file of any content")
     parser.add_argument("--save-responses", action="store_true",
                         help="include every decoded response in the JSON's per_prompt entries")
     parser.add_argument("--verbose", action="store_true", help="keep vLLM's warnings (default: errors only)")
@@ -212,10 +227,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.temperature <= 0:
+    if args.temperature is not None and args.temperature <= 0:
         parser.error(f"--temperature must be > 0 (sampling), got {args.temperature}")
-    if not 0 < args.top_p <= 1:
+    if args.top_p is not None and not 0 < args.top_p <= 1:
         parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    if refusal := check_report_path(args.out, args.force):
+        parser.error(refusal)
     for override in args.overrides:
         key = override.split("=", 1)[0].lstrip("+~")
         if "=" not in override:
@@ -296,6 +313,8 @@ class EvalInputs:
     dtype: str
     prepare_s: float
     """Seconds spent here (model resolution, tokenizer, rendering)."""
+    settings: dict[str, Any] = field(default_factory=dict)
+    """Where the sampling settings came from ({from, flags}: actors/eval_settings.py)."""
 
 
 def heldout_mismatch(data: str, eval_path: str) -> str | None:
@@ -312,10 +331,9 @@ def prepare(args: argparse.Namespace) -> EvalInputs:
     """Read the rows, resolve the model, render the prompts as training does, check verifiers
     and lengths."""
     t_start = time.perf_counter()
-    from dapo.config import load_config
-
-    cfg = load_config(args.overrides)
-    cfg.model = replace(cfg.model, path=args.model)  # re-validates the model group
+    model, cfg, source, from_run = eval_config(args.model, args.overrides)
+    flags = fill_sampling(args, cfg, from_run)
+    cfg.model = replace(cfg.model, path=model)  # re-validates the model group
     rows = rows_for(args.data, "eval", cfg)  # before the slow imports and the model
     note = heldout_mismatch(args.data, cfg.data.eval_path)
     if note:
@@ -340,7 +358,7 @@ def prepare(args: argparse.Namespace) -> EvalInputs:
         log.warning("skipped %d prompts longer than %d tokens (ids %s): the report covers the other %d",
                     len(skipped), limit_tokens - max_response_tokens, skipped, len(prompts))
     return EvalInputs(cfg, model_path, tokenizer, prompts, skipped, max_response_tokens,
-                      dtype, time.perf_counter() - t_start)
+                      dtype, time.perf_counter() - t_start, {"from": source, "flags": flags})
 
 
 def make_eval_engine(args: argparse.Namespace, inputs: EvalInputs) -> Any:
@@ -455,6 +473,7 @@ def build_report(args: argparse.Namespace, inputs: EvalInputs, results: list[Pro
         "k": args.k, "temperature": args.temperature, "top_p": args.top_p,
         "max_response_tokens": inputs.max_response_tokens, "prompt_template": args.prompt_template,
         "dtype": inputs.dtype, "seed": args.seed, "limit": args.limit, "reward_fn": inputs.cfg.actor.reward_fn,
+        "settings": inputs.settings,
         "overall": summarize(results, args.k),
         "by_data_source": {src: summarize([r for r in results if r.data_source == src], args.k) for src in sources},
         "skipped_prompt_ids": inputs.skipped_prompt_ids,
@@ -487,6 +506,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"dapo eval: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     print(format_table(report))
+    print(settings_line(report))
+    if warning := truncation_warning(report):
+        print(warning)
     if skipped := report["skipped_prompt_ids"]:
         print(f"WARNING: {len(skipped)} prompts were skipped (too long for the model): {skipped}")
     if args.out is not None:
