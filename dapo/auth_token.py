@@ -3,13 +3,14 @@
 The token is the only thing that keeps strangers from registering as actors and pushing groups, so
 it is kept where other users of the machine cannot read it:
 
-    transport.auth_token_file=FILE   a file its owner alone may access (0600 or stricter)   1st
-    DAPO_TOKEN=<token>               the environment (/proc/PID/environ: owner and root only) 2nd
-    transport.auth_token=<token>     the config, e.g. the public default on loopback; tests   3rd
+    transport.auth_token_file=FILE   a file its owner alone may access (0600 or stricter)
+    DAPO_TOKEN=<token>               the environment (/proc/PID/environ: its owner and root only)
+    transport.auth_token=<token>     the config: the public default on loopback, tests
 
-``with_auth_token`` applies that order when a config is loaded (``dapo.config.load_config`` and
-``load_resolved``); two sources that give different tokens are refused rather than one silently
-winning. A token on a command line is readable by everyone (``ps``, ``/proc/PID/cmdline``): the
+``with_auth_token`` looks in all three when a config is loaded (``dapo.config.load_config`` and
+``load_resolved``). The public default and a redacted value count as no token; where more than one
+source gives a token they must be equal: two different tokens are refused, never resolved by an
+order that would let a forgotten ``export DAPO_TOKEN`` silently win. A token on a command line is readable by everyone (``ps``, ``/proc/PID/cmdline``): the
 services refuse it when they are reachable beyond loopback and warn on loopback, where the public
 default token is accepted anyway (``token_on_command_line``). Configs written to disk or printed
 hold ``REDACTED`` instead (``redacted``); launchers hand the token to their children in the
@@ -60,8 +61,8 @@ def read_token_file(path: str) -> str:
 
 
 def with_auth_token(cfg: DapoConfig, environ: Mapping[str, str] | None = None) -> DapoConfig:
-    """``cfg`` with ``transport.auth_token`` taken from the first source in the module's order that
-    gives one; ``cfg`` unchanged when none does. ``environ``: default ``os.environ``."""
+    """``cfg`` with ``transport.auth_token`` the token its sources give (module docstring); ``cfg``
+    unchanged when none gives one. ``environ``: default ``os.environ``."""
     environ = os.environ if environ is None else environ
     t = cfg.transport
     given: list[tuple[str, str]] = []
@@ -73,7 +74,7 @@ def with_auth_token(cfg: DapoConfig, environ: Mapping[str, str] | None = None) -
         given.append((TOKEN_KEY, t.auth_token))
     if len({token for _, token in given}) > 1:
         raise ConfigError(f"{' and '.join(name for name, _ in given)} give different auth tokens: expected one token; "
-                          f"give it in one place ({FILE_KEY}, else {TOKEN_ENV}, else {TOKEN_KEY})")
+                          f"give it in one place ({FILE_KEY}, {TOKEN_ENV} or {TOKEN_KEY})")
     if given:
         return replace(cfg, transport=replace(t, auth_token=given[0][1]))
     if t.auth_token == REDACTED:

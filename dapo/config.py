@@ -401,13 +401,14 @@ class TransportConfig:
     auth_token: str = "dapo-local"
     """Shared secret actors present in gRPC metadata and the ZMQ header. Change it whenever
     services bind beyond loopback, and keep it where other users cannot read it: ``DAPO_TOKEN`` in
-    the environment or ``auth_token_file``, both of which win over this key (``with_auth_token``).
-    Given here on a command line it is readable by every user of the machine (``ps``): refused
-    beyond loopback, warned about on it. Configs that dapo writes or prints hold ``<redacted>``."""
+    the environment or ``auth_token_file`` (dapo/auth_token.py; where several give a token they
+    must agree, the public default counting as none). Given here on a command line it is readable
+    by every user of the machine (``ps``): refused beyond loopback, warned about on it. Configs that
+    dapo writes or prints hold ``<redacted>``."""
     auth_token_file: str = ""
     """A file that holds the token (surrounding whitespace ignored), readable by its owner only: a
-    file that its group or other users may access is refused (``chmod 600 FILE``). '' = none. Wins
-    over ``DAPO_TOKEN`` and ``auth_token``; children started by a launcher read it again themselves."""
+    file that its group or other users may access is refused (``chmod 600 FILE``). '' = none.
+    Children started by a launcher read it again themselves."""
     max_message_bytes: int = 64 << 20
     """Largest accepted ZMQ trajectory message or gRPC message, in bytes."""
     rpc_timeout_s: float = 10.0

@@ -1,4 +1,4 @@
-"""The auth token (dapo/auth_token.py): which source wins, the 0600 rule for its file, configs that are
+"""The auth token (dapo/auth_token.py): where it comes from, the 0600 rule for its file, configs that are
 written or printed without it, launchers that hand it to children in the environment (never as an
 argument), and workers of the actor that never inherit it."""
 
@@ -33,7 +33,7 @@ def cfg_with(auth_token: str = DEFAULT_AUTH_TOKEN, auth_token_file: str = "") ->
     return DapoConfig(transport=TransportConfig(auth_token=auth_token, auth_token_file=str(auth_token_file)))
 
 
-def test_the_file_wins_then_the_environment_then_the_config(tmp_path):
+def test_any_one_source_gives_the_token_and_the_public_default_or_redacted_value_is_none(tmp_path):
     f = token_file(tmp_path)
     assert with_auth_token(cfg_with(auth_token_file=f), {}).transport.auth_token == TOKEN  # stripped
     assert with_auth_token(cfg_with(auth_token_file=f), {TOKEN_ENV: TOKEN}).transport.auth_token == TOKEN
@@ -156,9 +156,14 @@ def test_the_actor_refuses_a_token_on_its_command_line_for_a_remote_learner(tmp_
 
     monkeypatch.delenv(TOKEN_ENV, raising=False)
     monkeypatch.setattr("actors.main.stop_on_signals", lambda stop: [])  # keep pytest's own handlers
+
+    def went_on(cfg):  # the first step after the check: an actor that got here would build its engine
+        raise AssertionError("the actor went on past its command-line token")
+
+    monkeypatch.setattr("dapo.launch.fetch.resolve_model_path", went_on)
     logged: list[str] = []
     monkeypatch.setattr("actors.main.log.error", lambda fmt, *a: logged.append(fmt % a))
-    # Returns before any engine or connection: refused after the config is read.
+    # Refused once the config is read, before any engine or connection.
     assert actor_main(["--learner", "10.0.0.5:50051", f"transport.auth_token={TOKEN}"]) == 2
     assert len(logged) == 1 and "refused where the services are reachable beyond loopback" in logged[0]
 
@@ -174,6 +179,19 @@ def test_launchers_give_children_the_token_in_their_environment_never_in_their_a
     # A child that reads the token file itself needs nothing else.
     f = token_file(tmp_path)
     assert token_env(load_config([f"transport.auth_token_file={f}"])) == {}
+
+
+def test_dapo_learner_gives_its_ranks_a_command_line_token_in_their_environment(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    monkeypatch.setattr(learner_pool.signal, "signal", lambda *a: None)  # keep pytest's own handlers
+    started = {}
+    monkeypatch.setattr(learner_pool, "run_torchrun",
+                        lambda cmd, received, run_dir, env=None: started.update(cmd=cmd, env=env) or 0)
+    monkeypatch.setattr(sys, "argv", ["dapo learner", f"run.run_dir={tmp_path / 'run'}", f"transport.auth_token={TOKEN}"])
+    with pytest.raises(SystemExit) as exit_:
+        learner_pool.main()
+    assert exit_.value.code == 0 and started["env"][TOKEN_ENV] == TOKEN
+    assert TOKEN not in " ".join(started["cmd"]) and "dapo learner: warning: " in capsys.readouterr().err
 
 
 def test_the_actors_workers_inherit_an_allow_list_without_the_token(monkeypatch):
