@@ -189,8 +189,8 @@ def map_rpc_error(method: str, address: str, exc: grpc.RpcError) -> CoordinatorE
     code, details = exc.code(), exc.details()
     where = f"{method} to {address}"
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
-        return LearnerUnavailable(f"{where}: {code.name} ({details}); is the learner running, and are "
-                                  "transport.host/grpc_port right?", code=code)
+        return LearnerUnavailable(f"{where}: {code.name} ({details}); is a learner serving at {address}?",
+                                  code=code)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the server's concurrent-RPC cap: overload, transient
         return LearnerUnavailable(f"{where}: {code.name} ({details}); if it persists, the message may exceed "
                                   "transport.max_message_bytes", code=code)

@@ -69,6 +69,21 @@ log = logging.getLogger(__name__)
 PUSH_WAIT_S = 1.0
 EVAL_SEED_TAG = 0xE7A1
 """Mixed into eval batches' sampling seeds, apart from training batches' (SeedSequence of actor.seed, version)."""
+WAIT_LOG_INTERVAL_S = 30.0
+"""While the learner does not answer, one line when the wait starts, then one per this many seconds:
+the retries themselves may come every 0.5 s (``actor.connect_retry_max_s``)."""
+
+
+class LearnerUnreachable(ConnectionError):
+    """No learner answered at the actor's address for ``actor.connect_timeout_s``: the actor gives up."""
+
+
+def unreachable_message(address: str, waited_s: float, timeout_s: float, last: Exception) -> str:
+    """The actor's one line when it gives up: the address it tried, for how long, and how to change either."""
+    return (f"no learner answered at {address} for {waited_s:.0f} s (actor.connect_timeout_s={timeout_s:g}; last "
+            f"error: {last}); giving up. Start the learner first, or point the actor at the one that runs with "
+            f"--learner HOST:PORT (its log prints `learner: coordinator HOST:PORT`), or wait longer with "
+            f"actor.connect_timeout_s=SECONDS (0 = forever)")
 
 
 @dataclass
@@ -106,6 +121,9 @@ class Actor:
                                           f"generations-{socket.gethostname()}-{os.getpid()}.jsonl")
         self.left = "was not registered with a learner"
         """How the last ``leave`` went (for the actor's stop line)."""
+        self._silent_since: float | None = None
+        """monotonic time of the first call in a row the learner did not answer (None: it answers)."""
+        self._silence_logged_s = float("-inf")
 
     def run(self) -> int:
         """Serve until ``stop``; returns the exit code (0)."""
@@ -133,7 +151,7 @@ class Actor:
                 self.close_session()
             except LearnerUnavailable as exc:  # down, restarting or slow: keep the session, retry
                 self.metrics.add("learner_unreachable")
-                log.warning("the learner did not answer (%s); retrying", exc)
+                self.learner_silent(exc, "the learner did not answer", logging.WARNING)
                 with self.metrics.stage("learner_wait"):
                     self.stop.wait(min(1.0, self.cfg.actor.connect_retry_max_s))
         self.leave()
@@ -143,22 +161,21 @@ class Actor:
     def connect(self) -> bool:
         """Register (retrying with backoff while the learner is not up); False when stopped."""
         caps = pb.Capabilities(engine=self.cfg.actor.engine, supports_inflight=True, weight_backends=list(RECEIVERS))
-        delay_s, waited_s = 0.25, 0.0
+        delay_s = min(0.25, self.cfg.actor.connect_retry_max_s)
         while not self.stop.is_set():
             try:
                 with self.metrics.stage("register"):
                     resp = self.client.call("Register", pb.RegisterRequest(actor_name=self.name, capabilities=caps))
                 break
             except LearnerUnavailable as exc:
-                log.info("waiting for the learner at %s for %.0fs (%s); next try in %.1fs",
-                         self.client.address, waited_s, exc, delay_s)
+                self.learner_silent(exc, "waiting for the learner", logging.INFO)
                 with self.metrics.stage("learner_wait"):
                     if self.stop.wait(delay_s):
                         return False
-                waited_s += delay_s
                 delay_s = min(delay_s * 2, self.cfg.actor.connect_retry_max_s)
         else:
             return False
+        self.learner_answered()
         self._check_run_params(resp.run)
         pusher = GroupPusher(resp.zmq_endpoint, send_timeout_s=resp.run.rpc_timeout_s,
                              curve_server_public_key=self.cfg.transport.curve_server_public_key)
@@ -216,9 +233,11 @@ class Actor:
             session = self._session()  # raises SessionLost once heartbeats find a new learner
             try:
                 with self.metrics.stage("fetch_weights"):
-                    return self.fetch_weights(session.actor_id)
+                    fetched = self.fetch_weights(session.actor_id)
+                self.learner_answered()
+                return fetched
             except LearnerUnavailable as exc:
-                log.info("waiting for weights (%s): %s; next try in %.1fs", reason, exc, delay_s)
+                self.learner_silent(exc, f"waiting for weights ({reason})", logging.INFO)
                 with self.metrics.stage("weight_wait"):
                     if self.stop.wait(delay_s):
                         return None
@@ -243,6 +262,7 @@ class Actor:
             # a failed one for its deadline: idle.
             self.metrics.add_time("lease" if resp is not None and resp.leases else "lease_wait",
                                   time.perf_counter() - start)
+        self.learner_answered()
         self.latest_version = max(self.latest_version, resp.latest_version)
         self.eval_leases = list(resp.eval_leases)
         if resp.leases:
@@ -400,6 +420,28 @@ class Actor:
         self.close_session()
 
     # -- helpers --------------------------------------------------------------------------------
+    def learner_silent(self, exc: LearnerUnavailable, doing: str, level: int) -> None:
+        """A call the learner did not answer: the first of a run of them is logged (naming the
+        address and the limit), then one line per ``WAIT_LOG_INTERVAL_S``; ``LearnerUnreachable``
+        once the run lasts ``actor.connect_timeout_s``."""
+        now = time.monotonic()
+        if self._silent_since is None:
+            self._silent_since = now
+        waited_s, timeout_s = now - self._silent_since, self.cfg.actor.connect_timeout_s
+        if timeout_s and waited_s >= timeout_s:
+            raise LearnerUnreachable(unreachable_message(self.client.address, waited_s, timeout_s, exc))
+        if now - self._silence_logged_s >= WAIT_LOG_INTERVAL_S:
+            self._silence_logged_s = now
+            limit = f"giving up after actor.connect_timeout_s={timeout_s:g} s" if timeout_s else "waiting forever"
+            log.log(level, "%s at %s for %.0f s (%s); retrying every %g s at most, %s", doing, self.client.address,
+                    waited_s, exc, self.cfg.actor.connect_retry_max_s, limit)
+
+    def learner_answered(self) -> None:
+        if self._silent_since is not None:
+            log.info("the learner at %s answered after %.0f s of waiting", self.client.address,
+                     time.monotonic() - self._silent_since)
+        self._silent_since, self._silence_logged_s = None, float("-inf")
+
     def _session(self) -> Session:
         session = self.session
         if session is None or session.lost.is_set():

@@ -17,11 +17,13 @@ Start one rollout actor: one inference engine that leases prompts from the learn
 coordinator, samples G responses per prompt, scores them and pushes the groups to the replay
 queue, loading new weights as the learner publishes them.
 
-The actor may start before the learner (it waits, retrying with backoff up to
-actor.connect_retry_max_s) and survives learner restarts. Ctrl-C / SIGTERM: it leaves after the
-current stage (its leases go back to the coordinator) and exits 0 with one line saying so; a
-second Ctrl-C / SIGTERM exits at once (exit 1; its leases expire after the learner's
-transport.heartbeat_timeout_s). Run parameters (G, max tokens, temperature, weight backend) come
+The actor may start before the learner: it waits, retrying with backoff up to
+actor.connect_retry_max_s, and gives up (exit 3, one line naming the address) when no learner
+has answered for actor.connect_timeout_s (default 600 s; 0 = forever), at its start or after
+the learner it served went away. It survives learner restarts that come back within that time.
+Ctrl-C / SIGTERM: it leaves after the current stage (its leases go back to the coordinator) and
+exits 0 with one line saying so; a second Ctrl-C / SIGTERM exits at once (exit 1; its leases
+expire after the learner's transport.heartbeat_timeout_s). Run parameters (G, max tokens, temperature, weight backend) come
 from the learner; the model architecture and engine from this actor's config.
 """
 EPILOG = """\
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     from actors.client import AuthError, CoordinatorClient
     from actors.env_pool import EnvError
     from actors.engines import WeightLoadTimeout, make_engine, resolve_engine
-    from actors.loop import Actor
+    from actors.loop import Actor, LearnerUnreachable
     from actors.metrics import ActorMetrics, serve_prometheus
     from actors.transports.network import NetworkWeightClient
     from actors.verifier import Verifier
@@ -106,13 +108,19 @@ def main(argv: list[str] | None = None) -> int:
     error = None
     try:
         actor.run()
+    except LearnerUnreachable as exc:  # one line: the address, the wait, how to change them
+        log.error("%s", exc)
+        error = exc
     except (AuthError, ValueError, WeightLoadTimeout, EnvError) as exc:
         # a wrong token, a config the learner's run cannot use, a hung engine worker, or an environment
         # that cannot start (one that runs model code where its sandbox cannot be built)
         error = exc
     finally:
-        for close in (verifier.close, weights.close, client.close, engine.close, stop_prometheus or (lambda: None)):
+        for close in (actor.close_session, verifier.close, weights.close, client.close, engine.close,
+                      stop_prometheus or (lambda: None)):
             close()
+    if isinstance(error, LearnerUnreachable):
+        return 3
     if error is not None:
         log.error("%s | final: %s", error, metrics.log_line())
         return 3

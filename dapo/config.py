@@ -240,6 +240,13 @@ class ActorConfig:
     """Seconds between heartbeats to the coordinator."""
     connect_retry_max_s: float = 10.0
     """Backoff cap while waiting for a learner that is not up (yet), in seconds."""
+    connect_timeout_s: float = 600.0
+    """How long an actor waits for a learner that does not answer before it gives up (exit 3, one
+    line naming the address it tried, from ``--learner``), in seconds: at its start (an actor may
+    start before the learner, which may take minutes to load a large model) and whenever the learner
+    it serves stops answering (a learner restarted with ``learner.resume`` must be back within it).
+    While waiting it retries with back-off up to ``connect_retry_max_s`` and logs one line at first,
+    then one every 30 s. 0 = wait forever (an actor kept for learners that come and go)."""
     prometheus_port: int = 0
     """Serve Prometheus metrics on this port (0 = off)."""
     seed: int = 0
@@ -267,6 +274,9 @@ class ActorConfig:
         _check(bool(module) and function.isidentifier(), "actor.reward_fn", self.reward_fn,
                "module:function, e.g. dapo.rewards:score")
         _check(self.heartbeat_interval_s > 0, "actor.heartbeat_interval_s", self.heartbeat_interval_s, "> 0")
+        _check(self.connect_retry_max_s > 0, "actor.connect_retry_max_s", self.connect_retry_max_s, "> 0")
+        _check(self.connect_timeout_s >= 0, "actor.connect_timeout_s", self.connect_timeout_s,
+               ">= 0 (0 = wait forever)")
         module, _, cls = self.env.partition(":")
         _check(not self.env or (bool(module) and cls.isidentifier()), "actor.env", self.env,
                "'' or module:Class of a dapo.envs.Environment, e.g. dapo.envs:Calculator")
@@ -274,6 +284,9 @@ class ActorConfig:
         _check(self.env_workers >= 1, "actor.env_workers", self.env_workers, ">= 1")
         _check(self.env_timeout_s > 0, "actor.env_timeout_s", self.env_timeout_s, "> 0")
         _check(self.sandbox in ("bwrap", "none"), "actor.sandbox", self.sandbox, "bwrap or none")
+
+
+WANDB_RESUME = ("auto", "never", "must", "allow")
 
 
 @dataclass
@@ -334,7 +347,29 @@ class LearnerConfig:
     prometheus_port: int = 0
     """Serve Prometheus metrics from rank 0 on this port (0 = off)."""
     wandb: bool = False
-    """Log to Weights & Biases when installed (set WANDB_MODE=offline for offline runs)."""
+    """Log every metrics record to Weights & Biases as well (``wandb.init`` with the ``wandb_*`` keys
+    below, ``learner/wandb_run.py``). Needs the ``wandb`` package: without it ``dapo run`` and
+    ``dapo learner`` refuse to start. WANDB_MODE=offline logs offline, as with any wandb run."""
+    wandb_project: str = "dapo"
+    """W&B project of the run (``wandb.init(project=...)``)."""
+    wandb_entity: str = ""
+    """W&B entity (user or team) that owns the project; '' = wandb's default (your own)."""
+    wandb_run_name: str = ""
+    """Display name of the W&B run; '' = the run folder's name (``20261206-101502``, ``a``)."""
+    wandb_group: str = ""
+    """W&B group of the run (e.g. one per sweep or per staleness setting); '' = none."""
+    wandb_resume: str = "auto"
+    """Which W&B run the records go to: ``auto``: a fresh start opens a new one and keeps its id in
+    ``<run.run_dir>/wandb/dapo_run_id``, and ``learner.resume`` continues that one (one run, one W&B
+    chart); ``never``: always a new one; ``must``: continue ``wandb_run_id`` (W&B fails when it does
+    not exist); ``allow``: continue ``wandb_run_id`` when it exists, else create it."""
+    wandb_run_id: str = ""
+    """W&B run id to continue with ``wandb_resume`` = ``must`` or ``allow`` (e.g. a run started
+    elsewhere); '' = the one this run folder keeps (``wandb_resume=auto``)."""
+    log_every_steps: int = 1
+    """The learner prints one line every this many steps (step, version, accuracy, reward, held-out
+    accuracy, staleness, step time, actors) to its stdout (``dapo learner``'s terminal, the
+    learner's log under ``dapo run``); 0 = none. metrics.jsonl has every step whatever this says."""
     logprob_chunk_tokens: int = 1024
     """Loss tokens per chunk through the LM head when computing log-probs and entropies: the fp32
     logits of one chunk ([chunk, vocab]) are the largest buffer, recomputed in the backward, instead
@@ -387,6 +422,11 @@ class LearnerConfig:
                "1..4096 (one ReportEval call carries at most 4096 results)")
         _check(self.eval_lease_timeout_s > 0, "learner.eval_lease_timeout_s", self.eval_lease_timeout_s, "> 0")
         _check(self.eval_job_timeout_s > 0, "learner.eval_job_timeout_s", self.eval_job_timeout_s, "> 0")
+        _check(self.log_every_steps >= 0, "learner.log_every_steps", self.log_every_steps, ">= 0 (0 = no step lines)")
+        _check(self.wandb_resume in WANDB_RESUME, "learner.wandb_resume", self.wandb_resume, " or ".join(WANDB_RESUME))
+        _check(bool(self.wandb_run_id) or self.wandb_resume not in ("must", "allow"), "learner.wandb_run_id",
+               self.wandb_run_id, f"the id of the W&B run to continue with learner.wandb_resume={self.wandb_resume}")
+        _check(bool(self.wandb_project), "learner.wandb_project", self.wandb_project, "a W&B project name")
 
 
 @dataclass
@@ -545,11 +585,16 @@ class RunConfig:
     """Held-out accuracy at which ``dapo run`` reports the time-to-target (and may stop early)."""
     stop_at_target: bool = False
     """Stop the run as soon as held-out accuracy reaches ``target_accuracy``."""
+    progress_every_steps: int = 10
+    """Off a terminal (nohup, SLURM, CI logs: stderr is not a TTY) ``dapo run`` prints its progress
+    as one plain line every this many steps (and the last), instead of redrawing one live line with
+    carriage returns; on a terminal the live line is drawn whatever this says."""
 
     def __post_init__(self) -> None:
         _check(self.num_actors >= 0, "run.num_actors", self.num_actors, ">= 0")
         _check(self.max_wall_time_s >= 0, "run.max_wall_time_s", self.max_wall_time_s, ">= 0")
         _check(0 < self.target_accuracy <= 1, "run.target_accuracy", self.target_accuracy, "in (0, 1]")
+        _check(self.progress_every_steps >= 1, "run.progress_every_steps", self.progress_every_steps, ">= 1")
 
 
 @dataclass
@@ -619,6 +664,10 @@ def load_config(overrides: list[str] | tuple[str, ...] = ()) -> DapoConfig:
     except ConfigError:
         raise
     except (OmegaConfBaseException, HydraException) as exc:
+        if unknown := _unknown_key_error(overrides):
+            # Hydra's own text ("Could not override ... To append to your config use +key=value") is
+            # left out: the schema refuses appended keys, so its hint cannot work.
+            raise ConfigError(unknown) from None
         cause = f" ({str(exc.__cause__).splitlines()[0]})" if exc.__cause__ else ""  # says what was expected
         raise ConfigError(f"invalid config override: {exc}{cause}{_did_you_mean(overrides)}{_escape_hint(overrides)}"
                           .strip()) from None
@@ -670,14 +719,38 @@ def _did_you_mean(overrides: list[str] | tuple[str, ...]) -> str:
     """For the first ``section.key=value`` whose key does not exist: its new name, else the closest spelling."""
     import difflib
 
-    default = DapoConfig()
-    known = [f"{s.name}.{f.name}" for s in dataclasses.fields(default)
-             for f in dataclasses.fields(getattr(default, s.name))]
+    known = _known_keys()
     for key in (o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o):
         if "." in key and key not in known:
             near = [RENAMED_KEYS[key]] if key in RENAMED_KEYS else difflib.get_close_matches(key, known, 2, 0.8)
             return f"; did you mean {' or '.join(near)}?" if near else ""
     return ""
+
+
+def _known_keys() -> list[str]:
+    default = DapoConfig()
+    return [f"{s.name}.{f.name}" for s in dataclasses.fields(default)
+            for f in dataclasses.fields(getattr(default, s.name))]
+
+
+def _unknown_key_error(overrides: list[str] | tuple[str, ...]) -> str | None:
+    """One line for the first override whose key the schema lacks: the key, then our did-you-mean
+    (a renamed key's new name, or the closest spellings), then where the keys are listed."""
+    sections = [f.name for f in dataclasses.fields(DapoConfig)]
+    for key in (o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o):
+        if key in PRESET_GROUPS or key.startswith("hydra.") or key in _known_keys():
+            continue
+        section = key.partition(".")[0]
+        near = _did_you_mean([f"{key}="]) if "." in key else ""
+        where = (f"the keys of `{section}`: {_SECTION_CLASSES[section]} in dapo/config.py"
+                 if section in _SECTION_CLASSES else f"the sections are {', '.join(sections)}")
+        return f"config key `{key}` is unknown{near} ({where}; `dapo config` prints them all)"
+    return None
+
+
+_SECTION_CLASSES = {"model": "ModelConfig", "data": "DataConfig", "algorithm": "AlgorithmConfig",
+                    "actor": "ActorConfig", "learner": "LearnerConfig", "transport": "TransportConfig",
+                    "weights": "WeightSyncConfig", "run": "RunConfig"}
 
 
 def _escape_hint(overrides: list[str] | tuple[str, ...]) -> str:
@@ -700,8 +773,8 @@ def _reject_unknown_keys(node: Any, prefix: str) -> None:
     for key in node.keys():
         if key not in known:
             where = f"`{prefix.rstrip('.')}`" if prefix else "the top level"
-            raise ConfigError(f"config key `{prefix}{key}` is unknown: expected one of {sorted(known)} "
-                              f"under {where} (see dapo/config.py){_did_you_mean([f'{prefix}{key}=']) or '.'}")
+            raise ConfigError(f"config key `{prefix}{key}` is unknown{_did_you_mean([f'{prefix}{key}='])} "
+                              f"(expected one of {sorted(known)} under {where}; see dapo/config.py)")
         child = node._get_node(key)
         if isinstance(child, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(child)):
             _reject_unknown_keys(child, f"{prefix}{key}.")

@@ -128,7 +128,7 @@ def make_actor(monkeypatch):
     FakePusher.sent, FakePusher.accept = [], True
     monkeypatch.setattr(loop_mod, "GroupPusher", FakePusher)
 
-    def make(client: FakeClient, engine: FakeEngine | None = None):
+    def make(client: FakeClient, engine: FakeEngine | None = None, cfg: DapoConfig | None = None):
         engine = engine or FakeEngine()
         fetched = []
 
@@ -137,7 +137,7 @@ def make_actor(monkeypatch):
             fetched.append(version)
             return version, {"v": version}
 
-        actor = Actor(DapoConfig(), client, engine, FakeVerifier(), lambda ids: "x" * len(ids), fetch,
+        actor = Actor(cfg or DapoConfig(), client, engine, FakeVerifier(), lambda ids: "x" * len(ids), fetch,
                       ActorMetrics(), threading.Event())
         return actor, engine, fetched
 
@@ -438,3 +438,71 @@ def test_rpc_errors_map_onto_what_the_loop_does_about_them(code, expected):
 
     exc = map_rpc_error("Lease", "127.0.0.1:1", Failed())
     assert type(exc).__name__ == expected and "Lease to 127.0.0.1:1" in str(exc)
+
+
+def actor_cfg(**actor) -> DapoConfig:
+    cfg = DapoConfig()
+    return dataclasses.replace(cfg, actor=dataclasses.replace(cfg.actor, **actor))
+
+
+GIVE_UP = (r"^no learner answered at 10\.9\.8\.7:4242 for \d+ s \(actor\.connect_timeout_s=1\.5; last error: "
+           r"Register to 10\.9\.8\.7:4242: UNAVAILABLE \(Connection refused\); is a learner serving at "
+           r"10\.9\.8\.7:4242\?\); giving up\. Start the learner first, or point the actor at the one that runs "
+           r"with --learner HOST:PORT \(its log prints `learner: coordinator HOST:PORT`\), or wait longer with "
+           r"actor\.connect_timeout_s=SECONDS \(0 = forever\)$")
+
+
+def test_an_actor_started_without_a_learner_backs_off_logs_once_and_gives_up_after_the_timeout(make_actor, caplog):
+    import grpc
+
+    from actors.client import LearnerUnavailable, map_rpc_error
+    from actors.loop import LearnerUnreachable
+
+    class Refused(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self):
+            return "Connection refused"
+
+    class Dead(FakeClient):
+        address = "10.9.8.7:4242"  # what --learner gave; the config's transport.host/grpc_port are other
+
+        def call(self, method, request, timeout_s=None):
+            self.calls.append((method, request))
+            raise map_rpc_error(method, self.address, Refused())
+
+    client = Dead()
+    actor, _, _ = make_actor(client, cfg=actor_cfg(connect_timeout_s=1.5, connect_retry_max_s=0.2))
+    caplog.set_level("INFO", logger="actors.loop")
+    with pytest.raises(LearnerUnreachable) as err:
+        actor.run()
+    assert isinstance(err.value, ConnectionError) and not isinstance(err.value, LearnerUnavailable)
+    assert __import__("re").match(GIVE_UP, str(err.value)), str(err.value)
+    assert "transport.host" not in str(err.value) and "\n" not in str(err.value)
+    # Back-off 0.25 s then the 0.2 s cap: about 8 tries in 1.5 s (fewer on a loaded machine), not a busy loop.
+    assert 3 <= len(client.named("Register")) <= 9, len(client.named("Register"))
+    waits = [r.getMessage() for r in caplog.records if "waiting for the learner" in r.getMessage()]
+    assert len(waits) == 1, waits  # the first failure only: the next line would come 30 s later
+    assert waits[0].startswith("waiting for the learner at 10.9.8.7:4242 for 0 s (Register to 10.9.8.7:4242: "
+                               "UNAVAILABLE (Connection refused)")
+    assert waits[0].endswith("retrying every 0.2 s at most, giving up after actor.connect_timeout_s=1.5 s")
+
+
+def test_a_learner_that_stops_answering_is_waited_for_then_given_up_and_an_answer_resets_the_wait(make_actor, caplog):
+    from actors.client import LearnerUnavailable
+    from actors.loop import LearnerUnreachable
+
+    client = FakeClient()
+    actor, _, _ = make_actor(client, cfg=actor_cfg(connect_timeout_s=0.6, connect_retry_max_s=0.05))
+    caplog.set_level("INFO", logger="actors.loop")
+    ok = pb.LeaseResponse(latest_version=0, retry_after_s=0.01)
+    # Silent for 0.3 s (under the timeout), an answer, then silent for good: the answer starts the wait over.
+    client.lease_script = [LearnerUnavailable("Lease: UNAVAILABLE")] * 6 + [ok] + [LearnerUnavailable("Lease: x")] * 100
+    with pytest.raises(LearnerUnreachable, match=r"^no learner answered at fake:1 for \d+ s \(actor\.connect_timeout_s=0\.6"):
+        actor.run()
+    silent = [r for r in caplog.records if r.getMessage().startswith("the learner did not answer at fake:1")]
+    assert [r.levelname for r in silent] == ["WARNING", "WARNING"]  # one per silence, not one per retry
+    answered = [r.getMessage() for r in caplog.records if "answered after" in r.getMessage()]
+    assert len(answered) == 1 and answered[0].startswith("the learner at fake:1 answered after"), answered
+    assert len(client.named("Lease")) >= 6 + 1 + 6  # retried every 0.05 s in each silence

@@ -214,3 +214,28 @@ def test_tensor_parallel_size_is_vllms_and_at_least_one():
     with pytest.raises(ConfigError, match=r"`actor.tensor_parallel_size` = 2 .*use actor.engine=vllm"):
         load_config(["actor.engine=torch", "actor.tensor_parallel_size=2"])
     assert load_config(["actor.engine=torch"]).actor.tensor_parallel_size == 1
+
+
+def test_an_unknown_key_is_answered_first_with_our_did_you_mean_in_one_line_without_hydras_append_hint():
+    expected = {
+        "learner.totl_steps=3": "config key `learner.totl_steps` is unknown; did you mean learner.total_steps? (the "
+                                "keys of `learner`: LearnerConfig in dapo/config.py; `dapo config` prints them all)",
+        "lerner.total_steps=3": "config key `lerner.total_steps` is unknown; did you mean learner.total_steps? (the "
+                                "sections are model, data, algorithm, actor, learner, transport, weights, run; "
+                                "`dapo config` prints them all)",
+        "learner.qqq=1": "config key `learner.qqq` is unknown (the keys of `learner`: LearnerConfig in "
+                         "dapo/config.py; `dapo config` prints them all)",
+    }
+    for override, message in expected.items():
+        with pytest.raises(ConfigError) as err:
+            load_config(["algorithm=grpo", "learner.lr=0.1", override])
+        assert str(err.value) == message
+    # Appended (+key): the schema's own refusal, with the did-you-mean ahead of the list of keys.
+    with pytest.raises(ConfigError) as err:
+        load_config(["+learner.totl_steps=3"])
+    assert str(err.value).startswith("config key `learner.totl_steps` is unknown; did you mean learner.total_steps? "
+                                     "(expected one of ['activation_checkpointing', ")
+    assert "append" not in str(err.value) and "\n" not in str(err.value)
+    # Not a key problem: Hydra's own message stays.
+    with pytest.raises(ConfigError, match=r"^invalid config override: .*learner\.total_steps=abc"):
+        load_config(["learner.total_steps=abc"])
