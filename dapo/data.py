@@ -216,6 +216,14 @@ def build_dataset(cfg: Any, split: str, tokenizer: Any) -> PromptDataset:
     ``actor.reward_fn`` owns its sources, in training and held-out evaluation alike (both score
     with it).
     """
+    return PromptDataset(checked_rows(cfg, split), tokenizer, template=cfg.data.prompt_template,
+                         dedup=cfg.data.dedup_by_prompt, max_prompt_tokens=cfg.data.max_prompt_tokens)
+
+
+def checked_rows(cfg: Any, split: str) -> list[dict[str, Any]]:
+    """The rows of ``build_dataset``'s dataset, refused as it refuses them (an unreadable file, a row
+    off the schema, a data_source nothing scores), before any tokenizer: what the launchers check
+    before they start a process (``dapo.preflight``)."""
     if split not in ("train", "eval"):
         raise ValueError(f"split {split!r} is unknown: expected train or eval.")
     path = cfg.data.train_path if split == "train" else cfg.data.eval_path
@@ -229,8 +237,7 @@ def build_dataset(cfg: Any, split: str, tokenizer: Any) -> PromptDataset:
         raise ValueError(f"data.eval_path={path}: data_source {', '.join(map(repr, multi_turn))} is multi-turn "
                          "(an environment answers its turns: dapo.envs), which only the actors run; set "
                          "learner.eval_on=actors, or learner.eval_every_steps=0")
-    return PromptDataset(rows, tokenizer, template=cfg.data.prompt_template,
-                         dedup=cfg.data.dedup_by_prompt, max_prompt_tokens=cfg.data.max_prompt_tokens)
+    return rows
 
 
 def inspect_main(file: str, rows: int, overrides: list[str]) -> None:

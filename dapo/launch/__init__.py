@@ -111,17 +111,21 @@ def reserve_port(host: str, tries: int = 64) -> socket.socket:
     return sock
 
 
-def resolve_config(prog: str, overrides: list[str], config_path: str | None = None) -> DapoConfig:
+def resolve_config(prog: str, overrides: list[str], config_path: str | None = None, *,
+                   starts_actors: bool = False) -> DapoConfig:
     """The config composed from ``overrides`` (the run's one Hydra compose) or read from ``config_path``, with
     ``model.path`` a folder (builtin:tiny built here, a wheel built-in fetched here). Exits 2 saying why: invalid,
     a model that is not there or cannot be fetched, public with the default token or with a token on the
-    command line (warned about on loopback, where the default token is accepted too)."""
+    command line (warned about on loopback, where the default token is accepted too), or what
+    ``dapo.preflight`` finds (data, weights, resume target, packages; ``starts_actors``: the actors' too)."""
     from dapo.launch.fetch import resolve_model_path  # not at the top: `python -m dapo.launch.fetch` imports this
+    from dapo.preflight import problem
 
     try:
         cfg = load_resolved(config_path) if config_path else load_config(overrides)
         if not (refusal := public_bind_error(cfg.transport) or command_line_token_refusal(prog, cfg, overrides)):
             cfg = replace(cfg, model=replace(cfg.model, path=str(resolve_model_path(cfg))))
+            refusal = problem(cfg, starts_actors=starts_actors)
     except (ValueError, OSError) as exc:  # ConfigError, or a model.path that is no model
         refusal = str(exc)
     if refusal:
