@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dapo.config import PRESET_GROUPS, DapoConfig, load_config, load_resolved
+from dapo.data import BUILTIN_TASKS
 from dapo.rundir import CARRIED_CONFIG
 
 log = logging.getLogger("dapo.eval")
@@ -83,6 +84,22 @@ def fill_sampling(args: argparse.Namespace, cfg: DapoConfig, from_run: bool) -> 
     return given
 
 
+def model_settings(model_path: Path, requested_dtype: str) -> tuple[str, int]:
+    """(dtype: ``requested_dtype``, or for ``auto`` the one the model was saved in; the longest
+    prompt + response the model supports, in tokens), from the model's config.json."""
+    config = json.loads((model_path / "config.json").read_text())
+    if "max_position_embeddings" not in config:
+        raise ValueError(f"{model_path}/config.json has no max_position_embeddings: cannot tell how long a "
+                         "prompt plus response may be. Add it to the model's config.json.")
+    # transformers 5 writes "dtype", older versions "torch_dtype"; neither means float32.
+    saved = next((config[key] for key in ("dtype", "torch_dtype") if key in config and config[key]), "float32")
+    dtype = saved if requested_dtype == "auto" else requested_dtype
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"{model_path}/config.json declares dtype {saved!r}; pass --dtype float32, "
+                         "bfloat16 or float16 explicitly.")
+    return dtype, int(config["max_position_embeddings"])
+
+
 def settings_line(report: dict[str, Any]) -> str:
     """The sampling settings of a report, and where they came from, in one line."""
     flags = report["settings"]["flags"]
@@ -113,6 +130,16 @@ def check_report_path(path: Path | None, force: bool) -> str | None:
     except (OSError, ValueError, UnicodeDecodeError):
         pass
     return f"--out {path}: the file exists and is not a report of dapo eval: pass a new file, or --force to replace it"
+
+
+def heldout_mismatch(data: str, eval_path: str) -> str | None:
+    """A warning when DATA is a built-in held-out set other than the config's own (``data.eval_path``):
+    ``dapo eval <export> builtin experiment=smollm2_arith`` scores an arithmetic model on the embedded
+    default's task (near 0) instead of the held-out set its run reported."""
+    if data == eval_path or data not in BUILTIN_TASKS or eval_path not in BUILTIN_TASKS:
+        return None
+    return (f"DATA is {data!r}, but this config's held-out set (data.eval_path, what training evaluates) is "
+            f"{eval_path!r}: pass {eval_path} as DATA to reproduce the run's held-out figure")
 
 
 def _get(cfg: DapoConfig, key: str) -> Any:

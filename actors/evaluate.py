@@ -35,7 +35,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from actors.eval_settings import check_report_path, eval_config, fill_sampling, settings_line, truncation_warning
+from actors.eval_settings import (check_report_path, eval_config, fill_sampling, heldout_mismatch, model_settings,
+                                  settings_line, truncation_warning)
 from dapo import rewards
 from dapo.data import BUILTIN_TASKS, TEMPLATES, Prompt, PromptDataset, rows_for
 from dapo.envs import env_spec
@@ -259,22 +260,6 @@ def check_data_sources(prompts: list[Prompt], data: str, template: str, reward_f
                         "chat to keep the rows' own instruction.", source)
 
 
-def model_settings(model_path: Path, requested_dtype: str) -> tuple[str, int]:
-    """(dtype: ``requested_dtype``, or for ``auto`` the one the model was saved in; the longest
-    prompt + response the model supports, in tokens), from the model's config.json."""
-    config = json.loads((model_path / "config.json").read_text())
-    if "max_position_embeddings" not in config:
-        raise ValueError(f"{model_path}/config.json has no max_position_embeddings: cannot tell how long a "
-                         "prompt plus response may be. Add it to the model's config.json.")
-    # transformers 5 writes "dtype", older versions "torch_dtype"; neither means float32.
-    saved = next((config[key] for key in ("dtype", "torch_dtype") if key in config and config[key]), "float32")
-    dtype = saved if requested_dtype == "auto" else requested_dtype
-    if dtype not in ("float32", "bfloat16", "float16"):
-        raise ValueError(f"{model_path}/config.json declares dtype {saved!r}; pass --dtype float32, "
-                         "bfloat16 or float16 explicitly.")
-    return dtype, int(config["max_position_embeddings"])
-
-
 def fit_prompts(prompts: list[Prompt], limit_tokens: int, max_response_tokens: int,
                 skip_long: bool) -> tuple[list[Prompt], list[int]]:
     """(prompts that fit with a full-length response, ids of the ones skipped).
@@ -315,16 +300,6 @@ class EvalInputs:
     """Seconds spent here (model resolution, tokenizer, rendering)."""
     settings: dict[str, Any] = field(default_factory=dict)
     """Where the sampling settings came from ({from, flags}: actors/eval_settings.py)."""
-
-
-def heldout_mismatch(data: str, eval_path: str) -> str | None:
-    """A warning when DATA is a built-in held-out set other than the config's own (``data.eval_path``):
-    ``dapo eval <export> builtin experiment=smollm2_arith`` scores an arithmetic model on the embedded
-    default's task (near 0) instead of the held-out set its run reported."""
-    if data == eval_path or data not in BUILTIN_TASKS or eval_path not in BUILTIN_TASKS:
-        return None
-    return (f"DATA is {data!r}, but this config's held-out set (data.eval_path, what training evaluates) is "
-            f"{eval_path!r}: pass {eval_path} as DATA to reproduce the run's held-out figure")
 
 
 def prepare(args: argparse.Namespace) -> EvalInputs:

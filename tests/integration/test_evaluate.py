@@ -32,7 +32,7 @@ METRIC_KEYS = {"num_prompts", "num_samples", "avg@k", "pass@k", "pass@1", "mean_
 EPISODE_KEYS = {"episodes", "mean_turns", "tool_calls_per_episode", "tool_success"}
 REPORT_KEYS = {"model", "model_path", "data", "k", "temperature", "top_p", "max_response_tokens",
                "prompt_template", "dtype", "seed", "limit", "reward_fn", "overall", "by_data_source",
-               "skipped_prompt_ids", "verifier", "time_s", "throughput_tokens_per_s", "per_prompt"}
+               "skipped_prompt_ids", "verifier", "time_s", "throughput_tokens_per_s", "per_prompt", "settings"}
 
 
 # -- pass@k estimator and summary (pure) -------------------------------------------------------
