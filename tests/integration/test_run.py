@@ -77,3 +77,50 @@ def test_dapo_run_learns_within_the_staleness_bound_and_writes_the_run_folder(tm
     # No orphans: every process the launcher started is gone.
     ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
     assert str(run_dir) not in ps
+
+
+def _dapo(args: list[str], cwd=ROOT, timeout_s: float = 240) -> tuple[int, str]:
+    proc = subprocess.Popen(args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, out.decode(errors="replace")
+
+
+@pytest.mark.timeout(540)
+def test_each_run_writes_its_own_folder_and_a_used_folder_is_refused(tmp_path):
+    """A 2-step run after a 3-step one exports its own model (it once exported the older run's
+    step_3 from the shared folder), and a run or a learner aimed at a folder holding a run stops
+    before starting anything, the folder untouched."""
+    latest = tmp_path / "runs" / "latest"
+    common = [f"run.cache_dir={ROOT / '.cache' / 'dapo'}", "run.num_actors=1", "actor.engine=torch",
+              "learner.eval_every_steps=0", "transport.grpc_port=0", "transport.zmq_port=0",
+              "weights.side_channel_port=0", "weights.collective_port=0"]
+    run = [sys.executable, "-m", "dapo.launch.run", *common]
+    rc, out = _dapo([*run, f"run.run_dir={latest}", "learner.total_steps=3"])
+    assert rc == 0, out[-3000:]
+    first = latest.parent / os.readlink(latest)
+    assert f"dapo run: run folder {first} ({latest} points to it)" in out
+    assert f"dapo run: HF export of step_3 in {first / 'hf'}" in out
+    before = {p: p.read_bytes() for p in (first / "metrics.jsonl", first / "trained_prompts.jsonl",
+                                          first / "hf" / "model.safetensors")}
+
+    rc, out = _dapo([*run, f"run.run_dir={first}", "learner.total_steps=2"], timeout_s=120)
+    assert rc == 2 and out.strip().splitlines()[-1] == (
+        f"dapo run: run.run_dir={first} holds another run (trained to step 3, checkpoint step_3): continue it with "
+        "learner.resume=latest, replace it with run.overwrite=true, or pass a new run.run_dir"), out[-3000:]
+    rc, out = _dapo([sys.executable, "-m", "dapo.launch.learner_pool", *common, f"run.run_dir={first}"], timeout_s=120)
+    assert rc == 2 and out.strip().splitlines()[-1].startswith(
+        f"dapo learner: run.run_dir={first} holds another run (trained to step 3, checkpoint step_3)"), out[-3000:]
+
+    rc, out = _dapo([*run, f"run.run_dir={latest}", "learner.total_steps=2"])
+    assert rc == 0, out[-3000:]
+    second = latest.parent / os.readlink(latest)
+    assert second != first and f"dapo run: HF export of step_2 in {second / 'hf'}" in out
+    assert [r["step"] for r in read_metrics(second / "metrics.jsonl")] == [0, 1, 2]
+    assert {p: p.read_bytes() for p in before} == before  # the first run's files are as it left them
+    assert sorted(p.name for p in (first / "checkpoints").iterdir()) == ["step_3"]
+    carried = json.loads((second / "hf" / "dapo_config.json").read_text())  # what `dapo eval` samples with
+    assert carried["actor"]["max_response_tokens"] == 48 and carried["transport"] == {}

@@ -148,3 +148,21 @@ def test_the_carried_config_has_no_transport_or_weight_settings():
     assert "s3cret-token" not in json.dumps(carried)
     assert carried["actor"]["max_response_tokens"] == cfg.actor.max_response_tokens
     assert CARRIED_CONFIG == "dapo_config.json"
+
+
+def test_one_node_of_a_learner_pool_claims_the_run_folder_and_several_need_one_named(tmp_path, capsys):
+    from dapo.launch.learner_pool import claim_run_dir
+
+    run_dir = tmp_path / "shared" / "run"
+    finished_run(run_dir, 2)
+    cfg = cfg_for(run_dir)
+    assert claim_run_dir(cfg, ["--nnodes=2", "--node-rank=1", "--rdzv-endpoint=h:29400"]) is cfg  # not its job
+    with pytest.raises(SystemExit) as exc:
+        claim_run_dir(cfg, ["--nnodes=2", "--node-rank=0", "--rdzv-endpoint=h:29400"])  # node 0 refuses
+    assert exc.value.code == 2 and "holds another run (trained to step 2, checkpoint step_2)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        claim_run_dir(cfg_for(tmp_path / "runs" / "latest"), ["--nnodes=2", "--rdzv-endpoint=h:29400"])
+    assert exc.value.code == 2 and capsys.readouterr().err == (
+        "dapo learner: several nodes (--nnodes, --rdzv-endpoint) need one run folder on storage they all share: "
+        "pass run.run_dir=FOLDER (the same on every node)\n")
+    assert not (tmp_path / "runs").exists()
