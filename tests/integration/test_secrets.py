@@ -167,6 +167,6 @@ def test_dapo_run_hands_a_command_line_token_to_its_learner_in_the_environment(t
         assert_the_learner_takes_this_token_only(address)
         run.proc.send_signal(signal.SIGTERM)
         run.proc.wait(90)
-        assert_run_folder_private(run_dir, log)
+        assert_run_folder_private(run_dir, log, run.log)
     finally:
         run.close()
