@@ -7,31 +7,37 @@ it is kept where other users of the machine cannot read it:
     DAPO_TOKEN=<token>               the environment (/proc/PID/environ: its owner and root only)
     transport.auth_token=<token>     the config: the public default on loopback, tests
 
-``with_auth_token`` looks in all three when a config is loaded (``dapo.config.load_config`` and
-``load_resolved``). The public default and a redacted value count as no token; where more than one
-source gives a token they must be equal: two different tokens are refused, never resolved by an
-order that would let a forgotten ``export DAPO_TOKEN`` silently win. A token on a command line is readable by everyone (``ps``, ``/proc/PID/cmdline``): the
-services refuse it when they are reachable beyond loopback and warn on loopback, where the public
+``token_from`` looks in all three when a config is loaded (``dapo.config.with_auth_token``, called
+by ``load_config`` and ``load_resolved``). The public default and a redacted value count as no
+token; where more than one source gives a token they must be equal: two different tokens are
+refused, never resolved by an order that would let a forgotten ``export DAPO_TOKEN`` silently win.
+A token on a command line is readable by everyone (``ps``, ``/proc/PID/cmdline``): the services
+refuse it when they are reachable beyond loopback and warn on loopback, where the public
 default token is accepted anyway (``token_on_command_line``). Configs written to disk or printed
-hold ``REDACTED`` instead (``redacted``); launchers hand the token to their children in the
-environment (``dapo.launch.token_env``), never as an argument.
+hold ``REDACTED`` instead (``dapo.config.redacted``); launchers hand the token to their children in
+the environment (``dapo.launch.token_env``), never as an argument. Strings only: ``dapo.config``
+applies this to the typed config.
 """
 
 from __future__ import annotations
 
 import os
 import stat
-from dataclasses import replace
 from typing import Mapping, Sequence
 
-from dapo.config import DEFAULT_AUTH_TOKEN, ConfigError, DapoConfig
-
+PUBLIC_TOKEN = "dapo-local"
+"""The default ``transport.auth_token``: printed in the README, so no secret (accepted on loopback only)."""
 TOKEN_ENV = "DAPO_TOKEN"
-"""The environment variable that carries the token (2nd in the order above)."""
+"""The environment variable that carries the token."""
 TOKEN_KEY = "transport.auth_token"
 FILE_KEY = "transport.auth_token_file"
 REDACTED = "<redacted>"
 """What a written or printed config holds instead of a token other than the public default."""
+
+
+class TokenError(ValueError):
+    """The token's sources are unusable; the message names the source and the fix, never the token.
+    ``dapo.config`` raises it as a ``ConfigError``."""
 
 
 def read_token_file(path: str) -> str:
@@ -46,52 +52,41 @@ def read_token_file(path: str) -> str:
         finally:
             os.close(fd)
     except OSError as exc:
-        raise ConfigError(f"{FILE_KEY}={path} cannot be read ({exc.strerror}): expected a file that holds the "
-                          "token, readable by this user") from None
+        raise TokenError(f"{FILE_KEY}={path} cannot be read ({exc.strerror}): expected a file that holds the "
+                         "token, readable by this user") from None
     if not stat.S_ISREG(mode):
-        raise ConfigError(f"{FILE_KEY}={path} is not a regular file: expected a file that holds the token")
+        raise TokenError(f"{FILE_KEY}={path} is not a regular file: expected a file that holds the token")
     if mode & 0o077:
-        raise ConfigError(f"{FILE_KEY}={path} has mode {stat.S_IMODE(mode):04o}: other users may read it; expected "
-                          f"0600 or stricter (only its owner reads it): run `chmod 600 {path}`")
+        raise TokenError(f"{FILE_KEY}={path} has mode {stat.S_IMODE(mode):04o}: other users may read it; expected "
+                         f"0600 or stricter (only its owner reads it): run `chmod 600 {path}`")
     token = data.decode("utf-8", errors="replace").strip()
     if not token:
-        raise ConfigError(f"{FILE_KEY}={path} is empty: expected the token, e.g. written with\n"
-                          f"  python -c \"import secrets; print(secrets.token_hex(16))\" > {path}")
+        raise TokenError(f"{FILE_KEY}={path} is empty: expected the token, e.g. written with\n"
+                         f"  python -c \"import secrets; print(secrets.token_hex(16))\" > {path}")
     return token
 
 
-def with_auth_token(cfg: DapoConfig, environ: Mapping[str, str] | None = None) -> DapoConfig:
-    """``cfg`` with ``transport.auth_token`` the token its sources give (module docstring); ``cfg``
-    unchanged when none gives one. ``environ``: default ``os.environ``."""
+def token_from(configured: str, token_file: str, environ: Mapping[str, str] | None = None) -> str:
+    """The token that ``token_file`` (a path, or ''), ``DAPO_TOKEN`` in ``environ`` (default
+    ``os.environ``) and the ``configured`` ``transport.auth_token`` give (module docstring);
+    ``configured`` itself when none gives one."""
     environ = os.environ if environ is None else environ
-    t = cfg.transport
     given: list[tuple[str, str]] = []
-    if t.auth_token_file:
-        given.append((FILE_KEY, read_token_file(t.auth_token_file)))
+    if token_file:
+        given.append((FILE_KEY, read_token_file(token_file)))
     if environ.get(TOKEN_ENV, "").strip():
         given.append((TOKEN_ENV, environ[TOKEN_ENV].strip()))
-    if t.auth_token not in (DEFAULT_AUTH_TOKEN, REDACTED):
-        given.append((TOKEN_KEY, t.auth_token))
+    if configured not in (PUBLIC_TOKEN, REDACTED):
+        given.append((TOKEN_KEY, configured))
     if len({token for _, token in given}) > 1:
-        raise ConfigError(f"{' and '.join(name for name, _ in given)} give different auth tokens: expected one token; "
-                          f"give it in one place ({FILE_KEY}, {TOKEN_ENV} or {TOKEN_KEY})")
+        raise TokenError(f"{' and '.join(name for name, _ in given)} give different auth tokens: expected one token; "
+                         f"give it in one place ({FILE_KEY}, {TOKEN_ENV} or {TOKEN_KEY})")
     if given:
-        return replace(cfg, transport=replace(t, auth_token=given[0][1]))
-    if t.auth_token == REDACTED:
-        raise ConfigError(f"{TOKEN_KEY} is {REDACTED} (a config dapo wrote holds no token): give the run's token as "
-                          f"{TOKEN_ENV}=<token> in the environment or as {FILE_KEY}=FILE (chmod 600 FILE)")
-    return cfg
-
-
-def redacted(cfg: DapoConfig, *, curve_secret_key: bool = False) -> DapoConfig:
-    """``cfg`` as it may be written or shown: a token other than the public default replaced by
-    ``REDACTED``; with ``curve_secret_key`` the replay queue's CURVE secret key too (which the
-    written config must keep: learner rank 0 reads it from there; that file is 0600)."""
-    t = cfg.transport
-    changes = {"auth_token": REDACTED} if t.auth_token != DEFAULT_AUTH_TOKEN else {}
-    if curve_secret_key and t.curve_server_secret_key:
-        changes["curve_server_secret_key"] = REDACTED
-    return replace(cfg, transport=replace(t, **changes)) if changes else cfg
+        return given[0][1]
+    if configured == REDACTED:
+        raise TokenError(f"{TOKEN_KEY} is {REDACTED} (a config dapo wrote holds no token): give the run's token as "
+                         f"{TOKEN_ENV}=<token> in the environment or as {FILE_KEY}=FILE (chmod 600 FILE)")
+    return configured
 
 
 def is_token_override(item: str) -> bool:
@@ -102,7 +97,7 @@ def is_token_override(item: str) -> bool:
 
 def token_on_command_line(overrides: Sequence[str]) -> bool:
     """Whether ``overrides`` (a command line) carry a token other than the public default."""
-    public = ("", DEFAULT_AUTH_TOKEN, REDACTED)
+    public = ("", PUBLIC_TOKEN, REDACTED)
     return any(is_token_override(item) and item.partition("=")[2].strip("'\" ") not in public for item in overrides)
 
 

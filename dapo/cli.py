@@ -169,8 +169,7 @@ def _print_config(overrides: list[str]) -> None:
 
     from dataclasses import asdict
 
-    from dapo.auth_token import redacted
-    from dapo.config import ConfigError, load_config
+    from dapo.config import ConfigError, load_config, redacted
 
     try:
         cfg = load_config(overrides)

@@ -17,7 +17,9 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
+
+from dapo.auth_token import PUBLIC_TOKEN, REDACTED, TokenError, token_from
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
@@ -438,7 +440,7 @@ class TransportConfig:
     """Coordinator gRPC port (register, heartbeat, leases, weight announcements, status)."""
     zmq_port: int = 50052
     """Replay-queue ZeroMQ PULL port (trajectory groups)."""
-    auth_token: str = "dapo-local"
+    auth_token: str = PUBLIC_TOKEN
     """Shared secret actors present in gRPC metadata and the ZMQ header. Change it whenever
     services bind beyond loopback, and keep it where other users cannot read it: ``DAPO_TOKEN`` in
     the environment or ``auth_token_file`` (dapo/auth_token.py; where several give a token they
@@ -672,7 +674,7 @@ def load_config(overrides: list[str] | tuple[str, ...] = ()) -> DapoConfig:
         raise ConfigError(f"invalid config override: {exc}{cause}{_did_you_mean(overrides)}{_escape_hint(overrides)}"
                           .strip()) from None
     assert isinstance(cfg, DapoConfig)
-    return _with_auth_token(with_concrete_dtype(cfg))
+    return with_auth_token(with_concrete_dtype(cfg))
 
 
 def with_concrete_dtype(cfg: DapoConfig) -> DapoConfig:
@@ -780,17 +782,33 @@ def _reject_unknown_keys(node: Any, prefix: str) -> None:
             _reject_unknown_keys(child, f"{prefix}{key}.")
 
 
-def _with_auth_token(cfg: DapoConfig) -> DapoConfig:
-    from dapo.auth_token import with_auth_token  # it imports this module
+def with_auth_token(cfg: DapoConfig, environ: Mapping[str, str] | None = None) -> DapoConfig:
+    """``cfg`` with ``transport.auth_token`` the token that ``transport.auth_token_file``, ``DAPO_TOKEN``
+    in ``environ`` (default ``os.environ``) and the key itself give (dapo/auth_token.py)."""
+    t = cfg.transport
+    try:
+        token = token_from(t.auth_token, t.auth_token_file, environ)
+    except TokenError as exc:
+        raise ConfigError(str(exc)) from None
+    if token == t.auth_token:
+        return cfg
+    return dataclasses.replace(cfg, transport=dataclasses.replace(t, auth_token=token))
 
-    return with_auth_token(cfg)
+
+def redacted(cfg: DapoConfig, *, curve_secret_key: bool = False) -> DapoConfig:
+    """``cfg`` as it may be written or shown: a token other than the public default replaced by
+    ``<redacted>``; with ``curve_secret_key`` the replay queue's CURVE secret key too (which the
+    written config must keep: learner rank 0 reads it from there; that file is 0600)."""
+    t = cfg.transport
+    changes = {"auth_token": REDACTED} if t.auth_token != PUBLIC_TOKEN else {}
+    if curve_secret_key and t.curve_server_secret_key:
+        changes["curve_server_secret_key"] = REDACTED
+    return dataclasses.replace(cfg, transport=dataclasses.replace(t, **changes)) if changes else cfg
 
 
 def to_dict(cfg: DapoConfig) -> dict[str, Any]:
     """Plain nested dict of a config (for saving the resolved config with a run, logging it), with
-    the auth token redacted (``dapo.auth_token``: readers get it from the environment or a file)."""
-    from dapo.auth_token import redacted
-
+    the auth token redacted (``redacted``: readers get it from the environment or a file)."""
     return dataclasses.asdict(redacted(cfg))
 
 
@@ -841,4 +859,4 @@ def load_resolved(path: str | Path, overrides: list[str] | tuple[str, ...] = ())
     except (KeyError, TypeError) as exc:
         raise ConfigError(f"{path} is not a config written by `dapo run` or `dapo learner`: {exc!r}") from None
     # A hand-written file may say dtype auto (one `dapo run` wrote is concrete); the token was redacted.
-    return _with_auth_token(with_concrete_dtype(cfg))
+    return with_auth_token(with_concrete_dtype(cfg))

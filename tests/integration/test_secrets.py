@@ -45,8 +45,8 @@ def small_run(model: str, run_dir: Path, grpc_port: int) -> list[str]:
     """Small steps on the tiny model, the torch engine; the gRPC port known to the test."""
     return [f"model.path={model}", f"run.run_dir={run_dir}", f"transport.grpc_port={grpc_port}",
             "transport.zmq_port=0", "weights.side_channel_port=0", "weights.collective_port=0",
-            "algorithm.num_prompts_per_step=2", "algorithm.num_samples_per_prompt=4", "algorithm.dynamic_sampling=false",
-            "learner.eval_every_steps=0", "learner.total_steps=0", "actor.prompts_per_lease=2", "actor.engine=torch",
+            "algorithm.num_prompts_per_step=2", "algorithm.num_samples_per_prompt=4",
+            "algorithm.dynamic_sampling=false", "learner.eval_every_steps=0", "learner.total_steps=0", "actor.prompts_per_lease=2", "actor.engine=torch",
             "data.builtin_num_train_prompts=2000"]
 
 

@@ -13,10 +13,9 @@ import psutil
 import pytest
 
 from dapo import cli
-from dapo.auth_token import (REDACTED, TOKEN_ENV, read_token_file, redacted, token_on_command_line,
-                             with_auth_token)
-from dapo.config import DEFAULT_AUTH_TOKEN, ConfigError, DapoConfig, TransportConfig, load_config, load_resolved, \
-    save_resolved
+from dapo.auth_token import REDACTED, TOKEN_ENV, TokenError, read_token_file, token_on_command_line
+from dapo.config import (DEFAULT_AUTH_TOKEN, ConfigError, DapoConfig, TransportConfig, load_config, load_resolved,
+                         redacted, save_resolved, with_auth_token)
 from dapo.launch import learner_pool, resolve_config, sweep, token_env
 
 TOKEN = "9f86d081884c7d659a2feaa0c55ad015"
@@ -73,7 +72,7 @@ def test_load_config_reads_the_environment_and_the_file(tmp_path, monkeypatch):
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660, 0o606, 0o700 | 0o004])
 def test_a_token_file_others_may_access_is_refused_and_the_fix_is_named(tmp_path, mode):
     f = token_file(tmp_path, mode=mode)
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(TokenError) as err:
         read_token_file(str(f))
     assert f"has mode {mode:04o}: other users may read it" in str(err.value)
     assert f"run `chmod 600 {f}`" in str(err.value) and TOKEN not in str(err.value)
@@ -85,15 +84,15 @@ def test_a_token_file_for_its_owner_alone_is_read(tmp_path, mode):
 
 
 def test_an_empty_missing_or_non_regular_token_file_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match="is empty: expected the token"):
+    with pytest.raises(TokenError, match="is empty: expected the token"):
         read_token_file(str(token_file(tmp_path, "\n")))
-    with pytest.raises(ConfigError, match="cannot be read .No such file or directory.: expected a file"):
+    with pytest.raises(TokenError, match="cannot be read .No such file or directory.: expected a file"):
         read_token_file(str(tmp_path / "absent"))
     folder, fifo = tmp_path / "dir", tmp_path / "fifo"
     folder.mkdir(mode=0o700)
     os.mkfifo(fifo, 0o600)  # with no writer: a blocking open would hang
     for path in (folder, fifo):
-        with pytest.raises(ConfigError, match="is not a regular file"):
+        with pytest.raises(TokenError, match="is not a regular file"):
             read_token_file(str(path))
 
 
@@ -187,7 +186,8 @@ def test_dapo_learner_gives_its_ranks_a_command_line_token_in_their_environment(
     started = {}
     monkeypatch.setattr(learner_pool, "run_torchrun",
                         lambda cmd, received, run_dir, env=None: started.update(cmd=cmd, env=env) or 0)
-    monkeypatch.setattr(sys, "argv", ["dapo learner", f"run.run_dir={tmp_path / 'run'}", f"transport.auth_token={TOKEN}"])
+    argv = ["dapo learner", f"run.run_dir={tmp_path / 'run'}", f"transport.auth_token={TOKEN}"]
+    monkeypatch.setattr(sys, "argv", argv)
     with pytest.raises(SystemExit) as exit_:
         learner_pool.main()
     assert exit_.value.code == 0 and started["env"][TOKEN_ENV] == TOKEN
