@@ -136,12 +136,12 @@ EXAMPLE_KEYS = ("add 7 5", "earn_spend 4 3 5")
 
 
 def messages(record: dict[str, str], shots: int) -> list[dict[str, str]]:
-    """The chat prompt of a record: ``shots`` worked examples as earlier turns, then the question;
-    every question with verl's GSM8K instruction, as verl's preprocessing adds it."""
+    """The chat prompt of a record: ``shots`` worked examples as earlier turns, then the question
+    with verl's GSM8K instruction, as verl's preprocessing adds it (once: the examples show the
+    format, and every prompt token costs learner time)."""
     turns = []
     for ex in EXAMPLES[:shots]:
-        turns += [{"role": "user", "content": ex["question"] + " " + GSM8K_INSTRUCTION},
-                  {"role": "assistant", "content": ex["answer"]}]
+        turns += [{"role": "user", "content": ex["question"]}, {"role": "assistant", "content": ex["answer"]}]
     return turns + [{"role": "user", "content": record["question"] + " " + GSM8K_INSTRUCTION}]
 
 
