@@ -61,7 +61,8 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     train_path: str = "builtin"
-    """Training prompts: ``builtin`` (the synthetic task) or a verl-format .parquet / .jsonl file."""
+    """Training prompts: ``builtin`` (the synthetic task), or a dataset file, folder or glob pattern
+    (verl-format .parquet / .jsonl, or any container and row schema ``dapo.formats`` reads)."""
     eval_path: str = "builtin"
     """Held-out prompts for evaluation, same forms as ``train_path``."""
     prompt_template: str = "auto"
@@ -78,7 +79,7 @@ class DataConfig:
     """Size of the built-in task's held-out set (prompts)."""
 
     def __post_init__(self) -> None:
-        _check(bool(self.train_path), "data.train_path", self.train_path, "builtin or a .parquet/.jsonl file")
+        _check(bool(self.train_path), "data.train_path", self.train_path, "builtin or a dataset file or folder")
         _check(self.prompt_template in ("auto", "chat", "dapo", "raw"), "data.prompt_template",
                self.prompt_template, "one of auto, chat, dapo, raw")
         _check(self.max_prompt_tokens > 0, "data.max_prompt_tokens", self.max_prompt_tokens, "> 0")
