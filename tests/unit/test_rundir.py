@@ -166,3 +166,17 @@ def test_one_node_of_a_learner_pool_claims_the_run_folder_and_several_need_one_n
         "dapo learner: several nodes (--nnodes, --rdzv-endpoint) need one run folder on storage they all share: "
         "pass run.run_dir=FOLDER (the same on every node)\n")
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_sweep_over_folders_of_an_earlier_sweep_stops_before_its_first_run(tmp_path, capsys):
+    from dapo.launch import sweep
+
+    point = tmp_path / "sweep-x" / "max_staleness_steps-0-seed0"
+    finished_run(point, 4)
+    cache = Path(__file__).resolve().parents[2] / ".cache" / "dapo"
+    rc = sweep.main(["--out", str(tmp_path), "--name", "x", "--over", "algorithm.max_staleness_steps=0",
+                     f"run.cache_dir={cache}"])
+    assert rc == 2 and capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"dapo sweep: {point} holds another run (trained to step 4, checkpoint step_4): pass another --name, or "
+        "run.overwrite=true to replace the sweep's runs")
+    assert sorted(p.name for p in point.parent.iterdir()) == [point.name]  # no summary written, nothing started
