@@ -157,6 +157,8 @@ def _wait_slice(services: Rank0Services, stop: StopFlag, deadline: float, slice_
     except TimeoutError:
         if time.monotonic() >= deadline:
             raise
+        if services.lines is not None:  # "waiting for actors: start one with ..." while there is none
+            services.lines.waiting(len(services.coordinator.status()["actors"]))
         return WAIT, None
 
 
@@ -273,7 +275,9 @@ def flush_records(services: Rank0Services, *, block: bool = False, stop: StopFla
                 print(f"learner: {stop.reason} while version {step} was being evaluated: its record is logged "
                       "without the evaluation", flush=True)
             values = {**values, **(result or {})}
-        services.metrics.log(step, values)
+        record = services.metrics.log(step, values)
+        if services.lines is not None:
+            services.lines.step(step, record)
         services.held_records.pop(0)
 
 

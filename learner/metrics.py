@@ -13,14 +13,15 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 log = logging.getLogger(__name__)
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str | Path, *, wandb: bool = False, prometheus_port: int = 0,
+    def __init__(self, run_dir: str | Path, *, wandb: Mapping[str, Any] | None = None, prometheus_port: int = 0,
                  prometheus_host: str = "127.0.0.1", config: Mapping | None = None) -> None:
+        """``wandb``: the keyword arguments of ``wandb.init`` (learner/wandb_run.py), None = no W&B."""
         from torch.utils.tensorboard import SummaryWriter
 
         self.run_dir = Path(run_dir)
@@ -32,13 +33,10 @@ class MetricsLogger:
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a", buffering=1)  # line-buffered: tails see whole lines
         self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=int(last["step"]) + 1 if last else None)
         self._wandb = None
-        if wandb:
-            try:
-                import wandb as wandb_mod
-            except ImportError:
-                log.warning("learner.wandb=true but wandb is not installed; logging to JSONL/TensorBoard only")
-            else:
-                self._wandb = wandb_mod.init(project="dapo", dir=str(self.run_dir), config=dict(config or {}))
+        if wandb is not None:
+            import wandb as wandb_mod  # a run asking for it without the package is refused at start-up
+
+            self._wandb = wandb_mod.init(**wandb, config=dict(config or {}))
         self._gauges: dict = {}
         self._prom = None
         if prometheus_port:

@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # imported where they are built: a rank > 0 never loads gRPC,
     from learner.evaluate import Evaluator
     from learner.grpc_server import CoordinatorServer
     from learner.metrics import MetricsLogger
+    from learner.progress import StepLines
     from learner.publisher import WeightPublisher
     from learner.replay import ReplayQueue
 
@@ -37,6 +38,8 @@ class Rank0Services:
     """None when learner.eval_every_steps = 0; learner.eval_on picks which."""
     held_records: list[tuple[int, dict[str, float], bool]] = field(default_factory=list)
     """Step records not logged yet, in step order: (step, values, awaits its evaluation)."""
+    lines: StepLines | None = None
+    """The learner's step lines and waiting-for-actors line (learner/progress.py)."""
 
 
 class _Source:
@@ -84,9 +87,11 @@ def _start(cfg: DapoConfig, model_path: Path, run_state: dict, device: torch.dev
     from learner.coordinator import Coordinator
     from learner.grpc_server import CoordinatorServer
     from learner.metrics import MetricsLogger
+    from learner.progress import StepLines
     from learner.publisher import WeightPublisher
     from learner.replay import ReplayQueue
     from learner.transports import SenderOptions
+    from learner.wandb_run import init_kwargs
 
     t = cfg.transport
     coordinator = Coordinator.from_config(cfg, _Source(prompts))
@@ -113,10 +118,11 @@ def _start(cfg: DapoConfig, model_path: Path, run_state: dict, device: torch.dev
     server = CoordinatorServer(cfg, coordinator, zmq_endpoint=replay.start(), queue=replay, weight_source=publisher)
     server.start()
     run_dir = Path(cfg.run.run_dir)
-    metrics = MetricsLogger(run_dir, wandb=cfg.learner.wandb, prometheus_port=cfg.learner.prometheus_port,
+    wandb = init_kwargs(cfg.learner, run_dir, resumed=bool(run_state)) if cfg.learner.wandb else None
+    metrics = MetricsLogger(run_dir, wandb=wandb, prometheus_port=cfg.learner.prometheus_port,
                             prometheus_host=t.host, config=to_dict(cfg))
     services = Rank0Services(coordinator, replay, publisher, metrics, run_dir / "trained_prompts.jsonl", server,
-                             evaluator)
+                             evaluator, lines=StepLines(cfg, server.port))
     senders = ", ".join(f"{name} {sender.endpoint}" for name, sender in publisher.senders.items())
     print(f"learner: coordinator {server.address}, replay {replay.endpoint}, weights {w.backend} ({senders})",
           flush=True)

@@ -119,8 +119,17 @@ def main() -> None:
         return
     # From here on a Ctrl-C is a stop request, never a KeyboardInterrupt traceback.
     received: list[int] = []
+    started: list[bool] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        received.append(signum)
+        if len(received) > 1 and not started:  # during start-up (a model build, a fetch): at once
+            print(f"dapo learner: stopped at once (second {signal.Signals(signum).name}) before starting anything",
+                  flush=True)
+            os._exit(1)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, _frame: received.append(signum))
+        signal.signal(sig, on_signal)
     shell_exit_codes = SHELL_EXIT_CODES in argv
     torchrun, overrides, config = split_args([a for a in argv if a != SHELL_EXIT_CODES])
     cfg = claim_run_dir(resolve_config("dapo learner", overrides, config), torchrun)
@@ -131,6 +140,7 @@ def main() -> None:
     if note:
         print(f"dapo learner: {note}", flush=True)
     # The ranks read the written config, which holds no token: it reaches them in their environment.
+    started.append(True)  # a second signal from here on: run_torchrun kills torchrun and the ranks
     rc = run_torchrun(torchrun_command(cfg, torchrun), received, cfg.run.run_dir, {**env, **token_env(cfg)})
     raise SystemExit(128 + received[0] if received and rc == 0 and shell_exit_codes else rc)
 

@@ -7,13 +7,16 @@
       ├─ python -m learner.main --config FILE   (one rank: no torchrun process in between)
       │  python -m dapo.launch.learner_pool --config FILE   (W > 1 ranks: torchrun, signal forwarding)
       ├─ python -m actors --learner H:P <config>   × run.num_actors   (concurrently with the learner)
-      ├─ tails <run_dir>/metrics.jsonl → progress bar (step, version, accuracy, reward, ...)
+      ├─ tails <run_dir>/metrics.jsonl → progress bar (step, version, accuracy, reward, ...);
+      │  off a terminal a plain line every run.progress_every_steps steps instead
       ├─ prints the start-up breakdown once the first step is trained
       └─ at the end: stop actors, PNG of the curves, HF export; the last line: time to target
 
 Every child runs in its own session with a parent-death signal, so Ctrl-C (or a kill of this
 process) never leaves orphans: actors get SIGTERM first (they return their leases), then the
-learner (it writes its final checkpoint), then anything left is killed by process group.
+learner (it writes its final checkpoint), then anything left is killed by process group. A
+Ctrl-C while the run is stopping (a second one, or one during the curves and the export) kills
+every child at once (dapo/launch/stopping.py).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from pathlib import Path
 
 from dapo.config import DapoConfig, make_run_dir, save_resolved
 from dapo.launch import latest_checkpoint, reserve_port, resolve_config, signal_on_parent_death, spawn, token_env
+from dapo.launch.stopping import StopRequests
 from dapo.rundir import claim_or_exit
 from dapo.runtime import apply_service_env
 
@@ -44,6 +48,10 @@ Writes run.run_dir: config.resolved.json, metrics.jsonl, curves.png, tensorboard
 Each run gets a folder of its own: by default runs/<date>-<time>, with runs/latest pointing to the
 newest; a run.run_dir=FOLDER that holds another run is refused unless learner.resume=latest continues
 it or run.overwrite=true replaces it.
+Data, model, resume target and optional packages are checked before anything starts (exit 2, one line).
+Progress: a live line on a terminal; elsewhere (nohup, SLURM, CI) a plain line every
+run.progress_every_steps steps. Ctrl-C stops gracefully (actors return their leases, the learner writes
+its final checkpoint, then curves and the HF export); a second Ctrl-C stops at once (exit 1).
 """
 
 STOP_GRACE_S = 30.0
@@ -57,6 +65,7 @@ class Child:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "ab")
+        self._terminated = False
         # A session of its own (its process group is killed as one), and SIGTERM when the launcher dies.
         self.proc = spawn(argv, lambda: signal_on_parent_death(signal.SIGTERM), env, start_new_session=True,
                           stdout=self._log, stderr=subprocess.STDOUT)
@@ -64,12 +73,17 @@ class Child:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def terminate(self) -> None:
+        """SIGTERM, once: a second one stops a service at once, without its graceful exit."""
+        if self.alive() and not self._terminated:
+            self._terminated = True
+            self.proc.send_signal(signal.SIGTERM)
+
     def stop(self, grace_s: float) -> int | None:
         """SIGTERM the child itself (`dapo learner` forwards it to its ranks, which write a final
         checkpoint; signalling torchrun directly would make it exit 1), wait up to grace_s, then
         SIGKILL the child's whole process group (torchrun's workers share it: none survives)."""
-        if self.alive():
-            self.proc.send_signal(signal.SIGTERM)
+        self.terminate()
         try:
             self.proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
@@ -84,15 +98,24 @@ class Child:
 
 
 class Progress:
-    """Tails metrics.jsonl and renders one progress line per update."""
+    """Tails metrics.jsonl: on a terminal one live line redrawn per update (tqdm); elsewhere (nohup,
+    SLURM, CI logs), where each redraw would append a carriage return to one endless line, a plain
+    line every ``every_steps`` trained steps and at the last."""
 
-    def __init__(self, metrics_path: Path, total_steps: int) -> None:
+    def __init__(self, metrics_path: Path, total_steps: int, every_steps: int = 10, stream=None,
+                 since_unix_s: float = 0.0) -> None:
+        """``since_unix_s``: plain lines for records of this start only (a resumed run's file holds its history)."""
         from tqdm import tqdm
 
         self.path = metrics_path
         self.offset = 0
         self.records: list[dict] = []
-        self.bar = tqdm(total=total_steps or None, unit="step", dynamic_ncols=True, desc="dapo run")
+        self.stream = stream or sys.stderr
+        self.plain = not self.stream.isatty()
+        self.total_steps, self.every_steps, self.t0 = total_steps, every_steps, time.monotonic()
+        self.since_unix_s = since_unix_s
+        self.bar = tqdm(total=total_steps or None, unit="step", dynamic_ncols=True, desc="dapo run",
+                        file=self.stream, disable=self.plain)
 
     def poll(self) -> list[dict]:
         if not self.path.exists():
@@ -106,11 +129,26 @@ class Progress:
         new = [json.loads(line) for line in chunk[:end].splitlines() if line.strip()]
         for rec in new:
             self.records.append(rec)
+            if self.plain:
+                self.plain_line(rec)
+                continue
             self.bar.update(max(0, int(rec["step"]) - self.bar.n))
             self.bar.set_postfix_str(self.postfix(rec), refresh=False)
-        if new:
+        if new and not self.plain:
             self.bar.refresh()
         return new
+
+    def plain_line(self, rec: dict) -> None:
+        step = int(rec["step"])
+        due = step % self.every_steps == 0 or step == self.total_steps
+        if "time/step_s" in rec and due and rec.get("unix_time_s", self.since_unix_s) >= self.since_unix_s:
+            total = f"/{self.total_steps}" if self.total_steps else ""
+            print(f"dapo run: step {step}{total} {self.postfix(rec)} ({time.monotonic() - self.t0:.0f} s)",
+                  file=self.stream, flush=True)
+
+    def write(self, text: str) -> None:
+        """A message line that leaves the live line intact below it."""
+        self.bar.write(text, file=self.stream)
 
     def last(self, key: str) -> float | None:
         return progress_last(self.records, key)
@@ -133,11 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides (see `dapo config`)")
     args = parser.parse_args(argv)
     started_unix_s = time.time()
+    stop = StopRequests("dapo run", "the actors return their leases, the learner writes its final checkpoint, then "
+                        "the curves and the HF export", lambda: f"no export; latest checkpoint: "
+                        f"{latest_checkpoint(run_dir) or 'none'}").install()
+    stop.stopping = True  # until the children run there is nothing to stop gracefully: a Ctrl-C exits now
     cfg, config_path = prepare(args.overrides)
     run_dir = Path(cfg.run.run_dir)
-    stop = {"why": ""}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, _frame: stop.update(why=signal.Signals(signum).name))
 
     learner_argv, learner_env = learner_command(cfg.learner.num_ranks, config_path)
     # The token goes to every child in its environment: the config file they read holds none.
@@ -147,46 +186,53 @@ def main(argv: list[str] | None = None) -> int:
     addr = f"{_connect_host(cfg.transport.host)}:{cfg.transport.grpc_port}"
     actors = [Child(f"actor{i}", actor_command(addr, config_path, cfg.actor.seed + i), run_dir / "logs",
                     token_env(cfg)) for i in range(cfg.run.num_actors)]
+    for child in (learner, *actors):
+        stop.watch(child.proc.pid, child.name)
+    stop.stopping = False
     spawned_unix_s = time.time()
     print(f"dapo run: learner pid {learner.proc.pid}, actors {[a.proc.pid for a in actors]}; "
           f"logs in {run_dir / 'logs'}", file=sys.stderr)
 
-    progress = Progress(run_dir / "metrics.jsonl", cfg.learner.total_steps)
+    progress = Progress(run_dir / "metrics.jsonl", cfg.learner.total_steps, cfg.run.progress_every_steps,
+                        since_unix_s=started_unix_s)
     t0 = time.monotonic()
     startup_shown = False
     try:
-        while not stop["why"]:
+        while not stop.why:
             progress.poll()
             # This start's records only: a resumed run's metrics.jsonl holds its whole history.
             ours = [r for r in progress.records if r.get("unix_time_s", 0) >= started_unix_s]
             if not startup_shown and any("time/step_s" in r for r in ours):
                 startup_shown = True
-                progress.bar.write(startup_breakdown(run_dir, ours, started_unix_s, spawned_unix_s), file=sys.stderr)
+                progress.write(startup_breakdown(run_dir, ours, started_unix_s, spawned_unix_s))
             if not learner.alive():
-                stop["why"] = f"learner exited ({learner.proc.returncode})"
+                stop.why = f"learner exited ({learner.proc.returncode})"
             elif cfg.run.max_wall_time_s and time.monotonic() - t0 > cfg.run.max_wall_time_s:
-                stop["why"] = f"run.max_wall_time_s={cfg.run.max_wall_time_s:g} reached"
+                stop.why = f"run.max_wall_time_s={cfg.run.max_wall_time_s:g} reached"
             elif cfg.run.stop_at_target and (progress.last("eval/accuracy") or 0) >= cfg.run.target_accuracy:
-                stop["why"] = f"eval/accuracy reached run.target_accuracy={cfg.run.target_accuracy}"
+                stop.why = f"eval/accuracy reached run.target_accuracy={cfg.run.target_accuracy}"
             for actor in actors:
                 if not actor.alive() and not getattr(actor, "reported", False):
                     actor.reported = True
                     rc = actor.proc.returncode
-                    progress.bar.write(f"dapo run: {actor.name} left the run (exit 0)" if rc == 0
-                                       else f"dapo run: {actor.name} exited ({rc}); see {actor.log_path}")
+                    progress.write(f"dapo run: {actor.name} left the run (exit 0)" if rc == 0
+                                   else f"dapo run: {actor.name} exited ({rc}); see {actor.log_path}")
             time.sleep(0.5)  # UI refresh period, not synchronisation
     finally:
-        # Actors first (they return their leases), then the learner (final checkpoint).
+        stop.stopping = True  # a Ctrl-C from here on (leaving, checkpoint, curves, export) stops at once
+        # Actors first (they return their leases), all at once, then the learner (final checkpoint).
+        for child in actors:
+            child.terminate()
         for child in actors:
             child.stop(STOP_GRACE_S)
         learner_rc = learner.stop(STOP_GRACE_S)
         progress.poll()
         progress.bar.close()
-    print(f"dapo run: stopped: {stop['why']}", file=sys.stderr)
-    if learner_rc not in (0, None) and not stop["why"].startswith(("SIG", "run.", "eval/")):
+    print(f"dapo run: stopped: {stop.why}", file=sys.stderr)
+    if learner_rc not in (0, None) and not stop.why.startswith(("SIG", "run.", "eval/")):
         print(f"dapo run: the learner failed; the end of {learner.log_path}:\n{_error_tail(learner.log_path)}",
               file=sys.stderr)
-    return _finish(run_dir, progress.records, cfg, learner_rc, started_unix_s)
+    return _finish(run_dir, progress.records, cfg, learner_rc, started_unix_s, stop)
 
 
 def prepare(overrides: list[str]) -> tuple[DapoConfig, Path]:
@@ -214,7 +260,8 @@ def with_learner_threads(cfg):
     return replace(cfg, learner=replace(cfg.learner, num_threads=threads))
 
 
-def _finish(run_dir: Path, records: list[dict], cfg, learner_rc: int | None, started_unix_s: float) -> int:
+def _finish(run_dir: Path, records: list[dict], cfg, learner_rc: int | None, started_unix_s: float,
+            stop: StopRequests | None = None) -> int:
     from dapo.plots import plot_run
 
     if records:
@@ -223,7 +270,12 @@ def _finish(run_dir: Path, records: list[dict], cfg, learner_rc: int | None, sta
     ckpt = latest_checkpoint(run_dir)
     if ckpt:
         out = run_dir / "hf"
-        rc = spawn([sys.executable, "-m", "learner.export", str(ckpt), str(out)], None).wait()
+        # A session of its own: a terminal's Ctrl-C reaches `dapo run` alone, which kills it (``stop``).
+        export = spawn([sys.executable, "-m", "learner.export", str(ckpt), str(out)],
+                       lambda: signal_on_parent_death(signal.SIGTERM), start_new_session=True)
+        if stop is not None:
+            stop.watch(export.pid, "the export")
+        rc = export.wait()
         print(f"dapo run: HF export of {ckpt.name} in {out}" if rc == 0
               else f"dapo run: export failed (exit {rc})", file=sys.stderr)
     if records:  # the last line: what a user looks for first

@@ -42,6 +42,8 @@ def test_dapo_run_hands_its_learner_the_config_it_composed_once(tmp_path, compos
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
+    (model / "tokenizer.json").write_text("{}")  # what dapo.preflight looks for in a model folder
+    (model / "model.safetensors").write_bytes(b"\x02" + bytes(7) + b"{}")  # an empty but whole safetensors file
     cfg, path = run.prepare([*OVERRIDES, f"model.path={model}", f"run.run_dir={tmp_path / 'run'}"])
     assert path == tmp_path / "run" / "config.resolved.json"
     # Completed by the launcher after composing: the ranks must see these values, not port 0.
