@@ -223,7 +223,9 @@ def test_aime_2024_end_to_end_scores_near_zero(tmp_path, tiny_path):
     assert overall["max_response_length_tokens"] <= max_response
     assert len(report["per_prompt"]) == rows_kept
     assert all(len(p["responses"]) == k and len(p["acc"]) == k for p in report["per_prompt"])
-    assert report["top_p"] == 0.7  # the paper's eval setting, the default; training refuses top_p < 1
+    # Sampled as training samples (top_p 1.0: the config's, no flag); the paper's 0.7 is --top-p 0.7.
+    assert report["top_p"] == 1.0 and report["temperature"] == 1.0
+    assert report["settings"] == {"from": "the default config", "flags": ["max_response_tokens"]}
     _check_every_verdict(report)
 
 
