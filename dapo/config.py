@@ -319,7 +319,9 @@ class LearnerConfig:
     (learner/snapshots.py): to score versions after the run with ``dapo eval``, as verl's save_freq
     and TRL's save_steps do. No optimizer state (checkpoints have it). 0 = off."""
     resume: str = ""
-    """Checkpoint folder to resume from ('' = fresh start); ``latest`` picks the newest in run_dir."""
+    """Checkpoint folder to resume from ('' = fresh start); ``latest`` picks the newest in run_dir
+    (with run_dir ``runs/latest``: of the run that link points to). The run continues its history in
+    run_dir (learner/history.py): metrics, audit and curves span every incarnation."""
     eval_every_steps: int = 20
     """Held-out evaluation every K steps and of the initial version (0 = off)."""
     eval_on: str = "learner"
