@@ -66,17 +66,8 @@ def claim(cfg: DapoConfig, prog: str, now_s: float | None = None) -> tuple[DapoC
         raise RunDirError(f"{prog}: learner.resume=latest continues the run in run.run_dir and run.overwrite=true "
                           "removes it: pass one of them")
     if run_dir.name == LATEST:
-        if run_dir.exists() and not run_dir.is_symlink():
-            raise RunDirError(
-                f"{prog}: {run_dir} is a folder (a run of an earlier dapo, which wrote every run there), not the "
-                f"link to the newest run that dapo now keeps at that name: move it away (e.g. `mv {run_dir} "
-                f"{run_dir.parent / 'old'}`) or pass run.run_dir=FOLDER")
-        current = run_dir.parent / os.readlink(run_dir) if run_dir.is_symlink() else None
-        if resume and current is not None and current.is_dir() and _resumes_here(resume, current):
-            run_dir = current
-        else:
-            run_dir = _new_versioned(run_dir.parent, time.time() if now_s is None else now_s)
-            _point_link(run_dir.parent / LATEST, run_dir.name)
+        run_dir, fresh = _through_link(run_dir, resume, time.time() if now_s is None else now_s, prog)
+        if fresh:
             return _with_run_dir(cfg, run_dir), f"{prog}: run folder {run_dir} ({run_dir.parent / LATEST} points to it)"
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirError(f"{prog}: run.run_dir={run_dir} is a file, not a folder; pass another run.run_dir")
@@ -104,6 +95,22 @@ def claim(cfg: DapoConfig, prog: str, now_s: float | None = None) -> tuple[DapoC
             f"(run.overwrite=true writes the run beside them)")
     run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # for its owner alone, as config.make_run_dir
     return _with_run_dir(cfg, run_dir), note
+
+
+def _through_link(link: Path, resume: str, now_s: float, prog: str) -> tuple[Path, bool]:
+    """(the folder a run_dir named ``latest`` stands for, whether it is a new one): the run the link
+    points to when ``resume`` continues it, else a new versioned folder with the link moved to it."""
+    if link.exists() and not link.is_symlink():
+        raise RunDirError(
+            f"{prog}: {link} is a folder (a run of an earlier dapo, which wrote every run there), not the "
+            f"link to the newest run that dapo now keeps at that name: move it away (e.g. `mv {link} "
+            f"{link.parent / 'old'}`) or pass run.run_dir=FOLDER")
+    current = link.parent / os.readlink(link) if link.is_symlink() else None
+    if resume and current is not None and current.is_dir() and _resumes_here(resume, current):
+        return current, False
+    new = _new_versioned(link.parent, now_s)
+    _point_link(link, new.name)
+    return new, True
 
 
 def claim_or_exit(cfg: DapoConfig, prog: str) -> DapoConfig:
