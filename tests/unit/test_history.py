@@ -105,3 +105,22 @@ def test_last_record_reads_the_tail_only_and_skips_a_torn_line(tmp_path):
     path.write_text(json.dumps({"step": 0}) + "\n")
     assert last_record(path)["step"] == 0
     assert last_record(tmp_path / "none.jsonl") is None
+
+
+def test_a_resumed_run_keeps_the_snapshot_of_its_start_step_and_its_time(tmp_path):
+    from dataclasses import replace
+
+    from dapo.config import DapoConfig
+    from learner.loop import snapshot_due
+
+    cfg = DapoConfig()
+    cfg = replace(cfg, run=replace(cfg.run, run_dir=str(tmp_path)),
+                  learner=replace(cfg.learner, save_weights_every_steps=2))
+    assert snapshot_due(cfg, 0)  # a fresh run: version 0
+    (tmp_path / "weights").mkdir()
+    (tmp_path / "weights" / "index.jsonl").write_text(
+        "".join(json.dumps({"step": s, "path": f"w/step_{s}", "unix_time_s": s}) + "\n" for s in (0, 2, 4)))
+    assert not snapshot_due(cfg, 4)  # resumed at 4: the stopped run's snapshot and index line stay
+    assert not snapshot_due(cfg, 3)  # not a K-th version
+    assert snapshot_due(cfg, 6)  # resumed at a K-th version nobody wrote (its line was set aside)
+    assert not snapshot_due(replace(cfg, learner=replace(cfg.learner, save_weights_every_steps=0)), 6)
