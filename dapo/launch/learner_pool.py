@@ -123,10 +123,10 @@ def main() -> None:
 
     def on_signal(signum: int, _frame: object) -> None:
         received.append(signum)
-        if len(received) > 1 and not started:  # during start-up (a model build, a fetch): at once
+        if len(received) > 1 and not started:  # during start-up (a model build, a fetch): at once, unwinding
             print(f"dapo learner: stopped at once (second {signal.Signals(signum).name}) before starting anything",
                   flush=True)
-            os._exit(1)
+            raise SystemExit(1)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)

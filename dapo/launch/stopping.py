@@ -60,9 +60,9 @@ class StopRequests:
             if _alive(pid):
                 kill_tree(pid)
                 killed.append(name)
-        if not self.children:
+        if not self.children:  # start-up (a model build, a fetch): unwind, so its temporary files go
             print(f"{self.prog}: stopped ({signame}) before starting anything", file=sys.stderr, flush=True)
-            os._exit(1)
+            raise SystemExit(1)
         tail = self.after_kill()
         print(f"{self.prog}: stopped at once ({'second ' if self.signals > 1 else ''}{signame}): killed "
               f"{', '.join(killed) or 'no process (none was left)'}{'; ' + tail if tail else ''}",
