@@ -270,6 +270,9 @@ def _finish(run_dir: Path, records: list[dict], cfg, learner_rc: int | None, sta
     ckpt = latest_checkpoint(run_dir)
     if ckpt:
         out = run_dir / "hf"
+        # It takes seconds (a Python with torch, the checkpoint read): say so, and how to skip it.
+        print(f"dapo run: writing the HF export of {ckpt.name} to {out} (Ctrl-C skips it; `dapo export {ckpt} "
+              f"OUT` writes one later)", file=sys.stderr, flush=True)
         # A session of its own: a terminal's Ctrl-C reaches `dapo run` alone, which kills it (``stop``).
         export = spawn([sys.executable, "-m", "learner.export", str(ckpt), str(out)],
                        lambda: signal_on_parent_death(signal.SIGTERM), start_new_session=True)

@@ -214,6 +214,9 @@ def test_a_ctrl_c_during_the_export_stops_it_at_once_and_leaves_no_process(tmp_p
         assert re.search(rf"^dapo run: stopped at once \(SIGINT\): killed the export; no export; latest checkpoint: "
                          rf"{re.escape(str(tmp_path / 'run' / 'checkpoints' / 'step_2'))}$", run.text(), re.M), \
             run.text()[-3000:]
+        ckpt = tmp_path / "run" / "checkpoints" / "step_2"
+        assert f"dapo run: writing the HF export of step_2 to {tmp_path / 'run' / 'hf'} (Ctrl-C skips it; " \
+               f"`dapo export {ckpt} OUT` writes one later)\n" in run.text()
         assert "Traceback" not in run.text()
     finally:
         run.close()
