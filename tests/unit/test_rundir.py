@@ -153,7 +153,7 @@ def test_the_carried_config_has_no_transport_or_weight_settings():
 def test_one_node_of_a_learner_pool_claims_the_run_folder_and_several_need_one_named(tmp_path, capsys):
     from dapo.launch.learner_pool import claim_run_dir
 
-    run_dir = tmp_path / "shared" / "run"
+    run_dir = tmp_path / "nfs" / "run"
     finished_run(run_dir, 2)
     cfg = cfg_for(run_dir)
     assert claim_run_dir(cfg, ["--nnodes=2", "--node-rank=1", "--rdzv-endpoint=h:29400"]) is cfg  # not its job
