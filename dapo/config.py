@@ -121,6 +121,20 @@ class AlgorithmConfig:
     max_consecutive_filtered_groups: int = 200
     """Dynamic-sampling budget: after this many consecutive dropped groups without filling a batch,
     stop with an error (0 = never stop)."""
+    selective_leasing: bool = True
+    """Skip, before generating it, a prompt whose latest z groups all carried no signal (every sample
+    right, or every sample wrong): it is leased with probability max(p_e ** z, selective_min_keep_prob)
+    (GRESO, arXiv 2506.02177; dapo/selection.py). A skipped prompt is not trained, and its row comes
+    back in the next epoch of the data, where the rule decides again. Acts only on rows seen before:
+    a run shorter than one epoch of its data skips nothing. False leases every prompt (the DAPO paper)."""
+    selective_explore_all_correct: float = 0.25
+    """p_e of a prompt whose latest group was all correct (probability, 0 < p <= 1)."""
+    selective_explore_all_wrong: float = 0.5
+    """p_e of a prompt whose latest group was all wrong (probability, 0 < p <= 1); higher than the
+    all-correct one because a policy that improves turns hard prompts informative more often."""
+    selective_min_keep_prob: float = 0.05
+    """Exploration floor: the least probability that a prompt is leased when the data cursor reaches
+    it, whatever its streak, so that none starves (0 < p <= 1)."""
     prox_logp: str = "recompute"
     """pi_prox: ``recompute`` (decoupled objective, learner forward with current weights) or
     ``bypass`` (use the sampler's log-probs)."""
@@ -141,6 +155,8 @@ class AlgorithmConfig:
                self.overlong_cache_tokens, ">= 0")
         _check(self.max_consecutive_filtered_groups >= 0, "algorithm.max_consecutive_filtered_groups",
                self.max_consecutive_filtered_groups, ">= 0")
+        for key in ("selective_explore_all_correct", "selective_explore_all_wrong", "selective_min_keep_prob"):
+            _check(0 < getattr(self, key) <= 1, f"algorithm.{key}", getattr(self, key), "a probability in (0, 1]")
         _check(self.prox_logp in ("recompute", "bypass"), "algorithm.prox_logp", self.prox_logp,
                "recompute or bypass")
         _check(self.tis_cap is None or self.tis_cap > 0, "algorithm.tis_cap", self.tis_cap, "null or > 0")

@@ -12,6 +12,11 @@ Publication: ``begin_publish(v)`` before weights v can reach any actor, ``set_ve
 they are published. In between, an actor already holding v (a collective member received it, a
 registering actor fetched it) may lease, and its groups are admitted (``newest_version``).
 
+Selective leasing (``algorithm.selective_leasing``, dapo/selection.py): the ledger keeps each row's
+signal history (the replay queue reports every settled group's signal) and skips, at lease time,
+prompts whose recent groups carried no signal; counters ``prompts_skipped/<reason>``,
+``prompts_retired`` and ``prompts_returned``, per-step figures from ``selection_metrics``.
+
 Held-out evaluation through the actors (``learner.eval_on=actors``): eval jobs and their eval
 leases (learner/eval_jobs.py), handed out with Lease replies, outside the ledger and the slots.
 
@@ -29,6 +34,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from dapo.config import DapoConfig
+from dapo.selection import SKIP_REASONS, SelectionRule
 from learner.admission import Admission
 from learner.eval_jobs import EvalJobs, EvalPrompt, EvalScore
 from learner.leases import HeartbeatReply, Lease, LeaseReply, LeaseResult
@@ -40,11 +46,14 @@ class Coordinator:
     def __init__(self, source: PromptSource, *, num_prompts_per_step: int, max_staleness_steps: int,
                  queue_max_groups: int, heartbeat_timeout_s: float, lease_timeout_s: float,
                  lease_retry_after_s: float = 0.25, seed: int = 0, max_epochs: int = 0,
-                 eval_jobs: EvalJobs | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 eval_jobs: EvalJobs | None = None, selection: SelectionRule | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``selection``: the selective-leasing rule (None: every prompt is leased)."""
         if queue_max_groups < 1:
             raise ValueError(f"Coordinator: need queue_max_groups >= 1, got {queue_max_groups}")
         self.admission = Admission(num_prompts_per_step, max_staleness_steps)
-        self.ledger = PromptLedger(source, seed=seed, max_epochs=max_epochs)
+        self.ledger = PromptLedger(source, seed=seed, max_epochs=max_epochs, selection=selection,
+                                   on_skip=lambda reason: self._count(f"prompts_skipped/{reason}"))
         self.registry = ActorRegistry(heartbeat_timeout_s, clock)
         self.queue_max_groups = queue_max_groups
         self.lease_timeout_s = lease_timeout_s
@@ -60,6 +69,7 @@ class Coordinator:
         self._publishing = 0  # > version while begin_publish(v) waits for set_version(v)
         self._shutdown = False
         self._counters: dict[str, int] = {}
+        self._window: dict[str, int] = {}  # counters at the last selection_metrics() call
 
     @classmethod
     def from_config(cls, cfg: DapoConfig, source: PromptSource, **kwargs: Any) -> "Coordinator":
@@ -69,7 +79,7 @@ class Coordinator:
         return cls(source, num_prompts_per_step=a.num_prompts_per_step, max_staleness_steps=a.max_staleness_steps,
                    queue_max_groups=t.queue_max_groups, heartbeat_timeout_s=t.heartbeat_timeout_s,
                    lease_timeout_s=t.lease_timeout_s, lease_retry_after_s=t.lease_retry_after_s,
-                   seed=cfg.run.seed, eval_jobs=eval_jobs, **kwargs)
+                   seed=cfg.run.seed, eval_jobs=eval_jobs, selection=SelectionRule.from_config(a), **kwargs)
 
     @property
     def newest_version(self) -> int:
@@ -256,17 +266,39 @@ class Coordinator:
             self._count("leases_completed")
             return ""
 
-    def settle(self, prompt_ids: Sequence[int], outcome: str) -> None:
+    def settle(self, prompt_ids: Sequence[int], outcome: str, signals: Sequence[str] = ()) -> None:
         """What became of accepted (queued) groups, reported by the replay queue: ``outcome`` is
         'filtered' (dynamic sampling dropped it: done, its slot free), 'stale' (too old at
         consumption, or from the future: its prompt re-issued first, its slot free) or 'trained'
-        (handed to the learner)."""
+        (handed to the learner). ``signals``: each trained or filtered group's signal
+        (dapo.selection.group_signal), for its row's history (PromptLedger.settle)."""
         if outcome not in SETTLED:
             raise ValueError(f"settle: outcome {outcome!r}, expected one of {SETTLED}")
         with self._lock:
-            self.ledger.settle(prompt_ids, outcome)
+            for change in self.ledger.settle(prompt_ids, outcome, signals):
+                if change:
+                    self._count(f"prompts_{change}")
             name = {"filtered": "groups_filtered", "stale": "groups_requeued_stale", "trained": "groups_trained"}
             self._count(name[outcome], len(prompt_ids))
+
+    def selection_metrics(self) -> dict[str, float]:
+        """Selective leasing's figures for a step record (the learner calls it once per step):
+        since the previous call, groups generated (accepted from an actor: trained, filtered or
+        stale later) per group trained and prompts skipped by reason; over the run, generated per
+        trained; and rows whose latest group carried no signal (``retired_rows``)."""
+        with self._lock:
+            now, last = self._counters, self._window
+            delta = {k: v - last.get(k, 0) for k, v in now.items() if v != last.get(k, 0)}
+            self._window = dict(now)
+            skips = {reason: delta.get(f"prompts_skipped/{reason}", 0) for reason in SKIP_REASONS.values()}
+            out = {"selection/skipped_prompts": float(sum(skips.values())),
+                   **{f"selection/skipped_prompts/{reason}": float(n) for reason, n in skips.items()},
+                   "selection/retired_rows": float(self.ledger.signals.retired_rows)}
+            if delta.get("groups_trained"):
+                out["selection/generated_per_trained"] = delta.get("leases_completed", 0) / delta["groups_trained"]
+            if now.get("groups_trained"):
+                out["selection/generated_per_trained_run"] = now.get("leases_completed", 0) / now["groups_trained"]
+            return out
 
     # -- held-out evaluation through the actors (learner/eval_jobs.py) ----------------------------
     def add_eval_job(self, version: int, prompts: Sequence[EvalPrompt]) -> None:
@@ -325,6 +357,7 @@ class Coordinator:
             return {"run_id": self.run_id, "version": self.version, "epoch": ledger.cursor.epoch,
                     "active_leases": len(ledger.active), "pending_reissue": len(ledger.pending),
                     "queued_groups": len(ledger.queued), "trained_groups": len(ledger.trained),
+                    "skipped_prompts": len(ledger.skipped),
                     "shutdown": self._shutdown, "actors": self.registry.status(), "counters": dict(self._counters)}
 
     def audit(self) -> dict[str, int]:
@@ -342,6 +375,7 @@ class Coordinator:
             self.ledger.load_state_dict(state)
             self.version = self._publishing = state["version"]
             self._counters = dict(state["counters"])
+            self._window = dict(self._counters)  # the first step after a resume counts from here
 
     def _count(self, name: str, n: int = 1) -> None:
         self._counters[name] = self._counters.get(name, 0) + n

@@ -1,17 +1,30 @@
-"""The prompt ledger: the prompt source, the data cursor, and the state of every prompt issued.
+"""The prompt ledger: the prompt source, the data cursor, the state of every prompt issued, and
+each row's signal history (selective leasing, dapo/selection.py).
 
 ```
                issue()                  accept()                settle(.., "trained")
  cursor ──────────────> active lease ───────────> queued ─────────────────────────> trained
  (epochs, ▲  pending  │  (actor generating)      │ settle(.., "filtered") (dynamic sampling: done)
  shuffled)│  re-issue │ reissue(): actor gone,   │ settle(.., "stale") (too old at consumption)
-          └───────────┴─ returned, timed out ◄───────────────────────────────────────┘
+   │      └───────────┴─ returned, timed out ◄───────────────────────────────────────┘
+   │ skip (selective leasing: the row's last groups carried no signal)
+   └──────> skipped (never generated, never trained: done for this epoch)
 ```
 
 Prompt ids are unique across epochs: ``epoch * num_rows + row``, the row order of each epoch a
 permutation seeded by (seed, epoch) (``prompt_id % num_rows`` is the row), so a cursor saved as
 (epoch, position) resumes exactly and the set of prompts handed out so far is known without
 recording them. Not thread-safe: the coordinator's lock guards it.
+
+Epochs and skips: an epoch is one pass of the cursor over every row, in its seeded order, whatever
+the rule decides. A prompt the rule skips (``SelectionRule.skip_reason``: only prompts fresh from
+the cursor; a re-issued one is owed and always leased) is in the state ``skipped``: a skip is not
+a training, and the audit counts it apart. Its row comes again at its place in the next epoch's
+order, as a new prompt id, where the rule decides anew. So ``max_epochs`` counts passes of the
+cursor, and an epoch with skips leases fewer prompts. A row's history is the signal of each of its
+groups that settled as trained or filtered (a stale group is generated again, a queued one at a
+checkpoint too: neither is recorded), kept whether or not selective leasing is on, and saved in
+the checkpoint with the rest of the ledger.
 """
 
 from __future__ import annotations
@@ -19,13 +32,15 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
+from dapo.selection import SelectionRule, extend, no_signal_streak, uniform
 from learner.leases import Lease, LeaseGrant
 
-STATE_FORMAT = 1
+STATE_FORMAT = 2
+"""2 added ``skipped`` and ``signals``; a format-1 state (none of either) still loads."""
 SETTLED = ("filtered", "stale", "trained")
 """What becomes of a queued group (``PromptLedger.settle``)."""
 
@@ -81,14 +96,44 @@ class PromptCursor:
         return self._perm
 
 
+class SignalHistory:
+    """Each row's last groups as signals (dapo.selection: ``c`` all correct, ``w`` all wrong,
+    ``m`` mixed), oldest first; a row never settled has none."""
+
+    def __init__(self) -> None:
+        self.rows: dict[int, str] = {}
+
+    def __getitem__(self, row: int) -> str:
+        return self.rows.get(row, "")
+
+    def record(self, row: int, signal: str) -> str:
+        """Append a group's signal. Returns 'retired' when the row's no-signal streak starts (its
+        prompts may be skipped from now on), 'returned' when a group with signal ends one, else ''."""
+        before = no_signal_streak(self[row])
+        self.rows[row] = after = extend(self[row], signal)
+        if not before and no_signal_streak(after):
+            return "retired"
+        return "returned" if before and not no_signal_streak(after) else ""
+
+    @property
+    def retired_rows(self) -> int:
+        """Rows whose latest group carried no signal (the rule may skip them)."""
+        return sum(1 for h in self.rows.values() if no_signal_streak(h))
+
+
 class PromptLedger:
     """Every issued prompt in exactly one state: active (leased), pending (re-issue first),
-    queued (its group accepted), trained or filtered (done)."""
+    queued (its group accepted), trained, filtered or skipped (done)."""
 
-    def __init__(self, source: PromptSource, *, seed: int, max_epochs: int = 0) -> None:
+    def __init__(self, source: PromptSource, *, seed: int, max_epochs: int = 0,
+                 selection: SelectionRule | None = None, on_skip: Callable[[str], None] = lambda reason: None
+                 ) -> None:
+        """``selection``: the skip rule (None = lease every prompt); ``on_skip(reason)`` is told of each skip."""
         if len(source) < 1:
             raise ValueError("Coordinator: the prompt source is empty; check data.train_path")
         self.source, self.num_rows, self.seed = source, len(source), seed
+        self.selection, self.on_skip = selection, on_skip
+        self.signals = SignalHistory()
         self.cursor = PromptCursor(self.num_rows, seed=seed, max_epochs=max_epochs)
         self.next_lease_id = 1
         self.active: dict[int, Lease] = {}  # in issue order, so timed-out leases are a prefix
@@ -97,6 +142,7 @@ class PromptLedger:
         self.queued: set[int] = set()
         self.trained: set[int] = set()
         self.filtered: set[int] = set()  # dropped by dynamic sampling: done, kept for the audit
+        self.skipped: set[int] = set()  # skipped by selective leasing: done, kept for the audit
 
     @property
     def used_slots(self) -> int:
@@ -110,7 +156,7 @@ class PromptLedger:
 
     def issue(self, actor_id: int, now_s: float) -> Lease | None:
         """Lease the next prompt (pending ones first); None once the data is exhausted."""
-        prompt_id = self.pending.popleft() if self.pending else self.cursor.next()
+        prompt_id = self.pending.popleft() if self.pending else self._next_fresh()
         if prompt_id is None:
             return None
         assert prompt_id not in self.active_prompts and prompt_id not in self.queued, prompt_id
@@ -119,6 +165,17 @@ class PromptLedger:
         self.active[lease.lease_id] = lease
         self.active_prompts.add(prompt_id)
         return lease
+
+    def _next_fresh(self) -> int | None:
+        """The cursor's next prompt that the selection rule does not skip (module docstring)."""
+        while (prompt_id := self.cursor.next()) is not None:
+            history = self.signals[prompt_id % self.num_rows]
+            reason = self.selection.skip_reason(history, uniform(self.seed, prompt_id)) if self.selection else ""
+            if not reason:
+                return prompt_id
+            self.skipped.add(prompt_id)
+            self.on_skip(reason)
+        return None
 
     def grant(self, lease: Lease) -> LeaseGrant:
         token_ids, data_source, ground_truth = self.source.get(lease.prompt_id % self.num_rows)
@@ -142,30 +199,40 @@ class PromptLedger:
         return list(itertools.takewhile(lambda lease: now_s - lease.issued_at_s > lease_timeout_s,
                                         self.active.values()))
 
-    def settle(self, prompt_ids: Sequence[int], outcome: str) -> None:
-        """Queued groups leave the queue: ``outcome`` is one of SETTLED (stale: re-issued first)."""
+    def settle(self, prompt_ids: Sequence[int], outcome: str, signals: Sequence[str] = ()) -> list[str]:
+        """Queued groups leave the queue: ``outcome`` is one of SETTLED (stale: re-issued first).
+        ``signals``: the groups' signals (dapo.selection.group_signal), one per prompt, recorded in
+        their rows' histories for 'trained' and 'filtered' ('stale' takes none: its prompt is
+        generated again); () records nothing. Returns the rows' transitions ('retired',
+        'returned', SignalHistory.record), one per signal."""
         for prompt_id in prompt_ids:
             assert prompt_id in self.queued and prompt_id not in self.trained, prompt_id
+        if signals and (len(signals) != len(prompt_ids) or outcome == "stale"):
+            raise ValueError(f"settle: {len(signals)} signals for {len(prompt_ids)} {outcome} prompts; expected "
+                             "one per prompt, and none for stale groups")
         self.queued.difference_update(prompt_ids)
         if outcome == "stale":
             self.pending.extendleft(prompt_ids)
-        else:
-            {"filtered": self.filtered, "trained": self.trained}[outcome].update(prompt_ids)
+            return []
+        {"filtered": self.filtered, "trained": self.trained}[outcome].update(prompt_ids)
+        return [self.signals.record(p % self.num_rows, s) for p, s in zip(prompt_ids, signals)]
 
     def audit(self) -> dict[str, int]:
         """Exactly-once books of every prompt the cursor has handed out, in prompts.
 
         ``issued`` = prompts the cursor gave out; each must be in exactly one state: ``trained``,
-        ``filtered`` (dynamic sampling), ``pending`` (waiting for re-issue), ``in_flight`` (an
-        active lease) or ``queued`` (accepted, not yet trained). ``lost`` = issued prompts in no
-        state; ``duplicates`` = prompts in more than one state (or twice in ``pending``);
-        ``unknown`` = prompts in a state that the cursor never issued. All three must be 0.
+        ``filtered`` (dynamic sampling), ``skipped`` (selective leasing: never generated),
+        ``pending`` (waiting for re-issue), ``in_flight`` (an active lease) or ``queued``
+        (accepted, not yet trained). ``lost`` = issued prompts in no state; ``duplicates`` =
+        prompts in more than one state (or twice in ``pending``); ``unknown`` = prompts in a state
+        that the cursor never issued. All three must be 0.
         """
-        states = (self.trained, self.filtered, list(self.pending), self.active_prompts, self.queued)
+        states = (self.trained, self.filtered, self.skipped, list(self.pending), self.active_prompts, self.queued)
         issued = self.cursor.issued()
         accounted: set[int] = set().union(*states)
         return {
             "issued": len(issued), "trained": len(self.trained), "filtered": len(self.filtered),
+            "skipped": len(self.skipped),
             "pending": len(self.pending), "in_flight": len(self.active_prompts), "queued": len(self.queued),
             "lost": len(issued - accounted), "duplicates": sum(len(s) for s in states) - len(accounted),
             "unknown": len(accounted - issued),
@@ -178,11 +245,12 @@ class PromptLedger:
         return {"format": STATE_FORMAT, "num_rows": self.num_rows, "seed": self.seed, "epoch": self.cursor.epoch,
                 "position": self.cursor.position, "next_lease_id": self.next_lease_id,
                 "pending": sorted(self.queued) + active + list(self.pending),
-                "trained": sorted(self.trained), "filtered": sorted(self.filtered)}
+                "trained": sorted(self.trained), "filtered": sorted(self.filtered), "skipped": sorted(self.skipped),
+                "signals": {str(row): h for row, h in sorted(self.signals.rows.items())}}  # JSON keys are strings
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["format"] != STATE_FORMAT:
-            raise ValueError(f"coordinator state format {state['format']}, expected {STATE_FORMAT}")
+        if state["format"] not in (1, STATE_FORMAT):
+            raise ValueError(f"coordinator state format {state['format']}, expected 1 or {STATE_FORMAT}")
         if state["num_rows"] != self.num_rows or state["seed"] != self.seed:
             raise ValueError(
                 f"coordinator checkpoint was written for {state['num_rows']} prompts (seed {state['seed']}), this "
@@ -194,6 +262,9 @@ class PromptLedger:
         self.pending = deque(int(p) for p in state["pending"])
         self.trained = {int(p) for p in state["trained"]}
         self.filtered = {int(p) for p in state["filtered"]}
+        if state["format"] >= 2:  # format 1 predates selective leasing: nothing skipped, no history
+            self.skipped = {int(p) for p in state["skipped"]}
+            self.signals.rows = {int(row): str(h) for row, h in state["signals"].items()}
 
     @classmethod
     def audit_state(cls, state: dict[str, Any]) -> dict[str, int]:

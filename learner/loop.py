@@ -295,5 +295,6 @@ def log_step(services: Rank0Services, step: int, groups: list, batch: Any, value
         record["actors/idle_fraction"] = sum(a["counters"].get("idle_ms", 0) for a in status["actors"]) / uptime_ms
     record.update({f"queue/{k}": float(v) for k, v in services.replay.counters().items()})
     record.update({f"coordinator/{k}": float(v) for k, v in services.coordinator.counters().items()})
+    record.update(services.coordinator.selection_metrics())  # since the last step: generated per trained, skips
     hold(services, step, record, awaits_eval=awaits_eval)
     flush_records(services)

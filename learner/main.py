@@ -18,6 +18,7 @@ apply_learner_env()  # before torch: idle OpenMP threads sleep (dapo/runtime.py 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from dapo import selection  # noqa: E402
 from dapo.config import DapoConfig, load_resolved  # noqa: E402
 from learner import checkpoint, loop  # noqa: E402
 from learner.history import History, continue_history  # noqa: E402
@@ -103,7 +104,9 @@ def stop_services(cfg: DapoConfig, services: Rank0Services, step: int, start_ste
     if remaining:
         actors += (f"; {remaining} had not left after transport.shutdown_drain_s={cfg.transport.shutdown_drain_s:g}"
                    " (their leases expire)")
-    print(f"learner: stopped at step {step} ({reason}): {saved}; {actors}{evaluator}", flush=True)
+    groups = selection.summary(coordinator.counters())
+    print(f"learner: stopped at step {step} ({reason}): {saved}; {actors}{evaluator}{'; ' + groups if groups else ''}",
+          flush=True)
 
 
 def teardown_and_exit(rc: int) -> None:

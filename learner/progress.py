@@ -2,7 +2,7 @@
 when no actor is there. ``dapo learner``'s terminal shows it; under ``dapo run`` it is the learner's
 log. metrics.jsonl stays the record of every value; these lines are for a person watching.
 
-    learner: step 12/150 v=12 loss=-0.0123 acc=0.45 R=+0.10 eval=0.55 stale=0.60 actors=1 | 1.23 s/step, 33% waiting for groups
+    learner: step 12/150 v=12 loss=-0.0123 acc=0.45 R=+0.10 eval=0.55 stale=0.60 actors=1 | 1.23 s/step, 33% waiting for groups, 2.50 generated/trained, 3 skipped
     learner: waiting for actors (none registered for 5 s): start one with `dapo actor --learner HOST:PORT model.path=...` ...
 """
 
@@ -72,6 +72,11 @@ def step_line(step: int, total_steps: int, r: Mapping[str, float]) -> str:
 
     evaluated = f" eval={r['eval/accuracy']:.2f}" if "eval/accuracy" in r else ""
     waiting = f", {r['learner/idle_fraction']:.0%} waiting for groups" if "learner/idle_fraction" in r else ""
+    # The step's groups generated per group trained, and prompts selective leasing skipped (dapo/selection.py).
+    if "selection/generated_per_trained" in r:
+        waiting += f", {r['selection/generated_per_trained']:.2f} generated/trained"
+    if r.get("selection/skipped_prompts"):
+        waiting += f", {r['selection/skipped_prompts']:.0f} skipped"
     return (f"learner: step {step}{f'/{total_steps}' if total_steps else ''} v={f('version', '.0f')} "
             f"loss={f('train/loss', '.4f')} acc={f('train/accuracy', '.2f')} R={f('train/reward', '+.2f')}{evaluated} "
             f"stale={f('staleness/mean_steps', '.2f')} actors={f('actors/alive', '.0f')} | "

@@ -21,7 +21,8 @@ decode but names its lease: ``malformed``). The exception: a frame larger than
 ``max_message_bytes`` never reaches us (libzmq's MAXMSGSIZE drops the sender's connection), and
 that actor's lease times out.
 
-Accepted groups settle with the coordinator (``coordinator.settle``: filtered, stale, trained).
+Accepted groups settle with the coordinator (``coordinator.settle``: filtered, stale, trained), a
+trained or filtered one with its signal (all correct, all wrong, mixed) for selective leasing.
 Groups older than k versions at consumption are dropped and re-issued (``stale_at_consumption``);
 the staleness of every consumed group goes into a histogram (``staleness/<k>``).
 
@@ -45,6 +46,7 @@ import zmq
 
 from dapo.algorithm import DynamicSamplingFilter, DynamicSamplingStalled, FilterStats
 from dapo.config import DapoConfig
+from dapo.selection import group_signal
 from dapo.wire import NUM_FRAMES, LeaseRef, TrajectoryGroup, WireError, decode_group, named_lease
 from learner.coordinator import Coordinator
 
@@ -149,7 +151,7 @@ class ReplayBuffer:
                 keep, self._stalled = False, exc
                 self._cond.notify_all()
             if not keep:
-                coord.settle([group.prompt_id], "filtered")
+                coord.settle([group.prompt_id], "filtered", [group_signal(group.acc)])
             else:
                 self._groups.append(group)
                 self.max_depth_groups = max(self.max_depth_groups, len(self._groups))
@@ -199,7 +201,7 @@ class ReplayBuffer:
                 self._cond.wait(remaining)
                 self._want = 0
             self.staleness_hist.update(coord.version - g.min_version for g in batch)
-            coord.settle([g.prompt_id for g in batch], "trained")
+            coord.settle([g.prompt_id for g in batch], "trained", [group_signal(g.acc) for g in batch])
             if self.filter.batch_full:
                 self.last_filter_stats = self.filter.take_batch()
             self._cond.notify_all()

@@ -282,7 +282,7 @@ def _finish(run_dir: Path, records: list[dict], cfg, learner_rc: int | None, sta
         print(f"dapo run: HF export of {ckpt.name} in {out}" if rc == 0
               else f"dapo run: export failed (exit {rc})", file=sys.stderr)
     if records:  # the last line: what a user looks for first
-        print(target_line(records, cfg.run.target_accuracy, started_unix_s), file=sys.stderr)
+        print(target_line(records, cfg.run.target_accuracy, started_unix_s) + groups_suffix(records), file=sys.stderr)
     return 0 if learner_rc == 0 else 1
 
 
@@ -304,6 +304,16 @@ def target_line(records: list[dict], target: float, started_unix_s: float) -> st
         return f"dapo run: eval accuracy {first} -> {last}; target {target} reached at step {hit[0]:.0f}, before the resume"
     return (f"dapo run: eval accuracy {first} -> {last}; target {target} reached at step {hit[0]:.0f} in "
             f"{wall_s:.1f} s of wall time from `dapo run` ({hit[1]:.0f} s into training)")
+
+
+def groups_suffix(records: list[dict]) -> str:
+    """'; N groups generated for M trained (...)' from the last step record's coordinator counters
+    (dapo.selection.summary), '' when no record has them."""
+    from dapo.selection import summary
+
+    last = next((r for r in reversed(records) if "coordinator/groups_trained" in r), None)
+    text = summary({k.removeprefix("coordinator/"): v for k, v in last.items()}) if last else ""
+    return f"; {text}" if text else ""
 
 
 def with_free_ports(cfg):

@@ -300,6 +300,9 @@ def audit_run(run_dir: Path, *, total_steps: int, num_prompts_per_step: int, max
         "final_step": int(state["step"]), "steps": [s for s, _ in trained], "trained_groups": len(ids),
         "trained_twice": len(ids) - len(set(ids)),
         "checkpoint_trained_matches": sorted(state["coordinator"]["trained"]) == sorted(ids),
+        # Selective leasing: a skipped prompt is never generated, so never trained (learner/ledger.py).
+        "skipped_prompts": len(state["coordinator"]["skipped"]),
+        "skipped_then_trained": len(set(state["coordinator"]["skipped"]) & set(ids)),
         "expected_groups": total_steps * num_prompts_per_step,
         "coordinator": books, "max_staleness_steps_seen": max(staleness, default=-1),
         "min_staleness_steps_seen": min(staleness, default=-1), "staleness_bound": max_staleness_steps,
@@ -324,6 +327,8 @@ def check_audit(report: dict) -> list[str]:
         problems.append(f"{report['trained_twice']} prompts trained twice")
     if not report["checkpoint_trained_matches"]:
         problems.append("the final checkpoint's trained set differs from trained_prompts.jsonl")
+    if report["skipped_then_trained"]:
+        problems.append(f"{report['skipped_then_trained']} prompts skipped by selective leasing were trained")
     for key in ("lost", "duplicates", "unknown"):
         if books[key]:
             problems.append(f"coordinator audit: {key} = {books[key]}")

@@ -204,7 +204,8 @@ def test_learner_stop_tells_the_actors_and_shell_exit_codes_on_request(tmp_path,
         assert learner.exit_code(60) == 128 + signal.SIGTERM, learner.text()[-3000:]
         assert actor.exit_code(60) == 0, actor.text()[-3000:]  # the actor was told, and left
         stop = re.search(r"^learner: stopped at step \d+ \(SIGTERM\): final checkpoint \S+; 1 actor\(s\) told to "
-                         r"stop, 1 left and returned (\d+) lease\(s\)$", learner.text(), re.M)
+                         r"stop, 1 left and returned (\d+) lease\(s\)(?:; \d+ groups generated for \d+ trained .*)?$",
+                         learner.text(), re.M)
         assert stop, learner.text()[-3000:]
         left = re.search(r"stopped \(the learner ended the run\): left the run; (\d+) leases returned", actor.text())
         assert left and left.group(1) == stop.group(1), actor.text()[-3000:]

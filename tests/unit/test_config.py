@@ -9,7 +9,7 @@ from dapo.config import CONF_DIR, AlgorithmConfig, ConfigError, load_config
 
 # The paper's Table 1 is cumulative: each row adds one technique to the one above it.
 GRPO = dict(eps_low=0.2, eps_high=0.2, loss_agg="seq-mean-token-mean", std_normalize=True,
-            overlong_filter=False, overlong_punishment=False, dynamic_sampling=False)
+            overlong_filter=False, overlong_punishment=False, dynamic_sampling=False, selective_leasing=False)
 ROWS = {
     "grpo": GRPO,
     "grpo_overlong_filter": dict(GRPO, overlong_filter=True),
@@ -21,7 +21,7 @@ ROWS = {
                       loss_agg="token-mean", dynamic_sampling=True),
     # as released: the soft punishment without overlong filtering (verl's DAPO FAQ)
     "dapo": dict(GRPO, eps_high=0.28, overlong_punishment=True, loss_agg="token-mean",
-                 dynamic_sampling=True),
+                 dynamic_sampling=True, selective_leasing=True),  # not the paper's: bench/RESULTS.md "Selective leasing"
     "dr_grpo": dict(GRPO, loss_agg="seq-mean-token-sum-norm", std_normalize=False),
 }
 

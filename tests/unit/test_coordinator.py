@@ -456,8 +456,8 @@ def test_settle_moves_queued_groups_to_their_outcome_and_refuses_others() -> Non
     coord.settle([p[0]], "filtered")
     coord.settle([p[1]], "stale")
     coord.settle([p[2]], "trained")
-    assert coord.audit() | {"issued": 0} == {"issued": 0, "trained": 1, "filtered": 1, "pending": 1, "in_flight": 0,
-                                             "queued": 0, "lost": 0, "duplicates": 0, "unknown": 0}
+    assert coord.audit() | {"issued": 0} == {"issued": 0, "trained": 1, "filtered": 1, "skipped": 0, "pending": 1,
+                                             "in_flight": 0, "queued": 0, "lost": 0, "duplicates": 0, "unknown": 0}
     assert coord.lease(actor, 1, 0).leases[0].prompt_id == p[1]  # the stale one is re-issued first
     with pytest.raises(ValueError, match="outcome 'rejected'"):
         coord.settle([p[0]], "rejected")

@@ -68,11 +68,11 @@ def test_every_state_is_counted_and_nothing_is_lost_across_epochs_and_a_dead_act
     coord.heartbeat(a, 0)
     clock.t = 6.0  # b is silent past the heartbeat timeout: its 2 leases go back to pending
     coord.heartbeat(a, 0)
-    assert coord.audit() == {"issued": 10, "trained": 2, "filtered": 1, "pending": 2, "in_flight": 4,
+    assert coord.audit() == {"issued": 10, "trained": 2, "filtered": 1, "skipped": 0, "pending": 2, "in_flight": 4,
                              "queued": 1, "lost": 0, "duplicates": 0, "unknown": 0}
     # A checkpoint of this state audits the same (active + queued are saved as pending), with no data.
     saved = json.loads(json.dumps(coord.state_dict()))
-    assert PromptLedger.audit_state(saved) == {"issued": 10, "trained": 2, "filtered": 1, "pending": 7,
+    assert PromptLedger.audit_state(saved) == {"issued": 10, "trained": 2, "filtered": 1, "skipped": 0, "pending": 7,
                                               "in_flight": 0, "queued": 0, "lost": 0, "duplicates": 0, "unknown": 0}
     assert {g.prompt_id for g in dead} <= set(saved["pending"])
 

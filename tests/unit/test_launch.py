@@ -243,3 +243,17 @@ def test_the_last_line_says_what_was_measured_with_evaluation_off_or_on():
     assert run.target_line(evals, 0.8, t0 - 5) == "dapo run: eval accuracy 0.5 -> 0.75; target 0.8 not reached"
     assert run.target_line(evals, 0.7, t0 - 5).startswith(
         "dapo run: eval accuracy 0.5 -> 0.75; target 0.7 reached at step 3 in 35.0 s of wall time")
+
+
+def test_the_last_line_ends_with_what_selective_leasing_did_from_the_last_counters():
+    """Groups generated per trained group and skips by reason, from the last record that has the
+    coordinator's counters (a held evaluation record after it has none)."""
+    counters = {"coordinator/leases_completed": 75.0, "coordinator/groups_trained": 30.0,
+                "coordinator/prompts_skipped/all_correct": 9.0, "coordinator/prompts_skipped/all_wrong": 2.0,
+                "coordinator/prompts_retired": 14.0, "coordinator/prompts_returned": 3.0}
+    records = [{"step": 1, "coordinator/leases_completed": 8.0, "coordinator/groups_trained": 8.0},
+               {"step": 2, **counters}, {"step": 2, "eval/accuracy": 0.5}]
+    assert run.groups_suffix(records) == ("; 75 groups generated for 30 trained (2.50 per trained group); "
+                                          "11 prompts skipped (all_correct 9, all_wrong 2), 14 retired, 3 returned")
+    assert run.groups_suffix([{"step": 0, "eval/accuracy": 0.5}]) == ""
+    assert run.groups_suffix([{"step": 1, "coordinator/groups_trained": 0.0}]) == ""

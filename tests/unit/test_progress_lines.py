@@ -10,7 +10,7 @@ import re
 
 from dapo.config import DapoConfig, load_config
 from dapo.launch.run import Progress
-from learner.progress import WAITING_EVERY_S, WAITING_GRACE_S, StepLines
+from learner.progress import WAITING_EVERY_S, WAITING_GRACE_S, StepLines, step_line
 
 
 def record(step: int, **extra) -> dict:
@@ -84,6 +84,13 @@ def test_the_learner_prints_a_line_every_n_steps_and_the_last(capsys):
     assert capsys.readouterr().out.splitlines() == [p for p in printed if p]
     assert StepLines(cfg_with(log_every_steps=0), grpc_port=1).step(3, record(3)) is None
     assert StepLines(cfg_with(total_steps=0), grpc_port=1).step(3, record(3)).startswith("learner: step 3 v=3 ")
+
+
+def test_the_step_line_says_groups_generated_per_trained_and_skips_when_the_record_has_them():
+    line = step_line(3, 5, record(3, **{"selection/generated_per_trained": 2.5, "selection/skipped_prompts": 4.0}))
+    assert line.endswith("| 0.50 s/step, 40% waiting for groups, 2.50 generated/trained, 4 skipped"), line
+    no_skips = step_line(3, 5, record(3, **{"selection/generated_per_trained": 1.0, "selection/skipped_prompts": 0.0}))
+    assert no_skips.endswith("40% waiting for groups, 1.00 generated/trained"), no_skips
 
 
 def test_the_learner_says_how_to_start_an_actor_while_it_has_none(capsys):
