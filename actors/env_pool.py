@@ -2,7 +2,7 @@
 
 An environment is user code run on model output (a tool, a sandbox, a parser): like the verifier
 (``actors/verifier.py``) it runs outside the actor's interpreter. Unlike a verifier call, a step
-is answered asynchronously: the actor's episode driver (``actors/episodes.py``) submits the turns
+is answered asynchronously: the actor's episode driver (``actors/rollout.py``) submits the turns
 that just ended and keeps generating the episodes that are ready, so a slow tool delays only its
 own episode. A worker that misses its deadline is killed (its episode ends with
 ``FAILED_REWARD``, counted as a timeout) and a fresh one takes its place; a step that raises ends

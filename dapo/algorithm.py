@@ -210,6 +210,12 @@ def overlong_penalty(length: Any, max_len: int, cache_len: int) -> Any:
     ``length`` (integer response tokens; the actors count the EOS token, as verl and TRL do) is
     an int (returns a float), a list, numpy array or tensor (returns an array / a float tensor).
     ``cache_len = 0`` is a hard punishment: -1 only beyond max_len.
+
+    Multi-turn episodes (a deviation the paper, single-turn, does not face): ``length`` is the whole
+    response, model and observation tokens, because ``max_len`` (``actor.max_response_tokens``) caps
+    them together and truncates there; equivalently, the model's tokens against the cap less the
+    observations. Counting model tokens alone against ``max_len`` would never punish an episode that
+    observations fill: it is cut at the cap while its model tokens look short.
     """
     if not 0 <= cache_len <= max_len:
         raise ValueError(f"overlong_penalty: need 0 <= cache_len <= max_len; got cache_len="

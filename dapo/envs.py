@@ -26,6 +26,7 @@ from __future__ import annotations
 import abc
 import ast
 import importlib
+import inspect
 import operator
 import re
 from dataclasses import dataclass
@@ -217,7 +218,8 @@ def load_env(spec: str, score_fn: rewards.ScoreFn = rewards.score) -> Environmen
                          "a dapo.envs.Environment subclass importable on the actors") from exc
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ValueError(f"environment {spec!r} is not a dapo.envs.Environment subclass")
-    try:
-        return cls(score_fn)
+    try:  # what the constructor takes decides the call: a TypeError raised inside it is its own
+        inspect.signature(cls).bind(score_fn)
     except TypeError:
         return cls()
+    return cls(score_fn)

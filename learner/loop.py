@@ -23,7 +23,7 @@ import json
 import signal
 import time
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import psutil
 import torch
@@ -110,13 +110,30 @@ def run(cfg: DapoConfig, trainer: Trainer, services: Rank0Services | None, *, st
                 failure = exc
     if step != last_ckpt:
         save_checkpoint(cfg, trainer, services, step, model_path)
-    if services and failure is None:
+    if services is None:  # ranks > 0: rank 0's WAITs while it waits for the last evaluations, then the outcome
+        while broadcast_control(WAIT, None, trainer.device) == WAIT:
+            pass
+        return step
+    if failure is None:
         try:
-            flush_records(services, block=True, stop=stop)
+            flush_records(services, block=True, stop=stop, keepalive=peers_keepalive(cfg, trainer.device))
         except Exception as exc:  # noqa: BLE001 - as above
             failure = exc
     broadcast_control(STOP, failure, trainer.device)  # the run's outcome, on every rank
     return step
+
+
+def peers_keepalive(cfg: DapoConfig, device: torch.device) -> Callable[[], None]:
+    """Rank 0's tick while it blocks at the end of the run (the last evaluation may take up to its
+    job timeout, minutes): a WAIT broadcast at most every slice, so that the other ranks, waiting for
+    the run's outcome, stay inside ``learner.collective_timeout_s``."""
+    slice_s, last = min(1.0, cfg.learner.collective_timeout_s / 4), [time.monotonic()]
+
+    def tick() -> None:
+        if time.monotonic() - last[0] >= slice_s:
+            broadcast_control(WAIT, None, device)
+            last[0] = time.monotonic()
+    return tick
 
 
 def next_batch(cfg: DapoConfig, services: Rank0Services | None, stop: StopFlag, device: torch.device,
@@ -259,12 +276,16 @@ def hold(services: Rank0Services, step: int, values: dict[str, float], *, awaits
     services.held_records.append((step, {**values, **services.metrics.stamp()}, awaits_eval))
 
 
-def flush_records(services: Rank0Services, *, block: bool = False, stop: StopFlag | None = None) -> None:
+def flush_records(services: Rank0Services, *, block: bool = False, stop: StopFlag | None = None,
+                  keepalive: Callable[[], None] = lambda: None) -> None:
     """Log held records in order, each one awaiting an evaluation once its result is in (``block``:
     wait for it; a stop request (``stop``) during that wait logs the rest without their
     evaluations instead). A record is never logged before an earlier one, so metrics.jsonl stays
     in step order with the evaluation inside the record of the version it evaluated."""
-    stopping = lambda: bool(stop and stop.reason)  # noqa: E731
+    def stopping() -> bool:  # asked every slice of a blocking wait: the peers' keepalive goes with it
+        keepalive()
+        return bool(stop and stop.reason)
+
     while services.held_records:
         step, values, awaits_eval = services.held_records[0]
         if awaits_eval:

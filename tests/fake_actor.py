@@ -3,7 +3,7 @@ GroupPusher, heartbeats, leases and weight paths, driven by tests/fake_engine.py
 of them in one process.
 
     python -m tests.fake_actor --learner HOST:PORT --token T [--threads N] [--easy-every K]
-        [--hold-file PATH] [--fetch-weights [--corrupt-first-fetch] [--report FILE]] [overrides]
+        [--hold-file PATH] [--fetch-weights [--corrupt-first-fetch] [--report FILE]] [--eval-delay-s S] [overrides]
 
 ``overrides``: Hydra config overrides, as ``dapo actor`` takes them (e.g. the learner's collective
 port).
@@ -54,6 +54,14 @@ def build_actor(learner: str, cfg: DapoConfig, engine: FakeEngine, stop: threadi
     return actor
 
 
+def slow(evaluate: Callable[[], None], delay_s: float, stop: threading.Event) -> Callable[[], None]:
+    """``Actor.evaluate`` that takes ``delay_s`` longer (a slow held-out evaluation)."""
+    def delayed() -> None:
+        stop.wait(delay_s)
+        evaluate()
+    return delayed
+
+
 def recording_fetcher(learner: str, token: str, corrupt_first: bool):
     """(fetch, records): the network path's fetch as ``actors.client.network_fetcher`` does it,
     recording each fetch."""
@@ -93,6 +101,7 @@ def main() -> int:
     p.add_argument("--fetch-weights", action="store_true")
     p.add_argument("--corrupt-first-fetch", action="store_true")
     p.add_argument("--report", default="")
+    p.add_argument("--eval-delay-s", type=float, default=0.0, help="each held-out batch is reported this much later")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s fake-actor %(threadName)s %(levelname)s "
@@ -115,6 +124,8 @@ def main() -> int:
                           if args.fetch_weights else (None, []))
         engine = FakeEngine(easy_every=args.easy_every, hold=hold, keep_weights=bool(args.report))
         actors.append(build_actor(args.learner, cfg, engine, stop, fetch=fetch))
+        if args.eval_delay_s:
+            actors[-1].evaluate = slow(actors[-1].evaluate, args.eval_delay_s, stop)
         records.append(fetched)
 
     def serve(actor: Actor) -> None:

@@ -74,3 +74,20 @@ class SandboxedSleepEnv(Environment):
         run_python(f"import os, sys\nos.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(300)', "
                    f"{SANDBOX_SLEEP_MARK!r}])", limits=Limits(cpu_s=10, wall_s=300.0))
         return Step(done=True, reward=1.0, acc=True)
+
+
+class BrokenConfigEnv(Environment):
+    """Takes the scoring function, and its constructor raises a TypeError of its own."""
+
+    def __init__(self, score_fn) -> None:
+        raise TypeError("BrokenConfigEnv: threshold must be an int")
+
+    def step(self, episode: Episode) -> Step:
+        return Step(done=True)
+
+
+class NoScoreFnEnv(MisbehavingEnv):
+    """A constructor without the scoring function."""
+
+    def __init__(self) -> None:
+        self.built = True

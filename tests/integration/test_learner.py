@@ -223,6 +223,26 @@ def test_two_rank_learner_trains_publishes_on_both_paths_and_exports(tmp_path, r
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_a_last_evaluation_longer_than_the_collective_timeout_ends_the_run_cleanly(tmp_path, random_tiny_model):
+    """Two ranks; the last version's evaluation on the actors takes 12 s, three times
+    learner.collective_timeout_s: rank 0 waits for it while rank 1 waits for the run's outcome, kept
+    alive by rank 0's WAITs (it used to die of a gloo timeout there, and the run with it)."""
+    learner = Learner(tmp_path, random_tiny_model, "learner.total_steps=2", "learner.eval_every_steps=2",
+                      "learner.eval_on=actors", "data.builtin_num_eval_prompts=4", "learner.collective_timeout_s=4",
+                      "learner.eval_job_timeout_s=120", name="slow_eval")
+    actor = learner.actor(tmp_path, "a", "--eval-delay-s", "12")
+    try:
+        assert learner.wait(200) == 0, learner.log.read_text()[-3000:]
+        assert actor.wait(60) == 0, (tmp_path / "a.log").read_text()[-3000:]
+    finally:
+        kill_tree(actor)
+    records = learner.metrics()
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert [r["step"] for r in records if "eval/accuracy" in r] == [0, 2]
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(540)
 def test_kill9_then_resume_twice_one_history_no_prompt_lost_or_trained_twice(tmp_path, random_tiny_model):
     # One prompt a lease (the learner sets it for every actor): the holder below takes one slot only.

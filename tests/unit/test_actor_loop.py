@@ -13,8 +13,9 @@ import pytest
 
 import actors.loop as loop_mod
 from actors.client import SessionLost
-from actors.engines.base import Engine, RawSample, Sample
+from actors.engines.base import Engine, RawSample
 from actors.loop import Actor, Session, build_group
+from actors.rollout import Rollout
 from actors.metrics import ActorMetrics
 from actors.verifier import Verdict
 from dapo.algorithm import overlong_penalty
@@ -337,9 +338,9 @@ def test_lost_session_registers_again_and_refetches_weights(make_actor):
 def test_build_group_shapes_rewards_and_encodes_version_changes():
     session = Session(actor_id=4, run_id="r", run=RUN, pusher=None, lost=threading.Event(), closed=threading.Event())
     lease = pb.PromptLease(lease_id=8, prompt_id=80, prompt_token_ids=[1, 2], data_source="t", ground_truth="1")
-    samples = [Sample([5, 6, 7], [-0.1, -0.2, -0.3], [2, 2, 2], "stop"),
-               Sample([5, 6, 7, 8, 9, 4], [-0.1] * 6, [2, 2, 3, 3, 4, 4], "length")]
-    group = build_group(session, lease, samples, [1.0, -1.0], [True, False], RUN)
+    samples = [Rollout([5, 6, 7], [-0.1, -0.2, -0.3], [2, 2, 2], "stop", 1.0, True),
+               Rollout([5, 6, 7, 8, 9, 4], [-0.1] * 6, [2, 2, 3, 3, 4, 4], "length", -1.0, False)]
+    group = build_group(session, lease, samples, RUN)
     frames = encode_group(group, "tok")
     back = decode_group(frames, auth_token="tok", max_message_bytes=1 << 20)
     assert back.versions.tolist() == [2, 2]
@@ -506,3 +507,89 @@ def test_a_learner_that_stops_answering_is_waited_for_then_given_up_and_an_answe
     answered = [r.getMessage() for r in caplog.records if "answered after" in r.getMessage()]
     assert len(answered) == 1 and answered[0].startswith("the learner at fake:1 answered after"), answered
     assert len(client.named("Lease")) >= 6 + 1 + 6  # retried every 0.05 s in each silence
+
+
+def test_a_failed_eval_report_leaves_the_training_leases_of_the_same_reply_to_be_trained(make_actor):
+    """One Lease reply carries eval prompts and two training leases; the learner does not take the
+    eval report: it is counted and dropped, and the two training leases are still generated and pushed
+    (before, the error left them idle until transport.lease_timeout_s)."""
+    from actors.client import LearnerUnavailable
+
+    client = FakeClient(current_version=0)
+    actor, engine, _ = make_actor(client)
+    real_call = client.call
+
+    def call(method, request, timeout_s=None):
+        if method == "ReportEval":
+            client.calls.append((method, request))
+            raise LearnerUnavailable("ReportEval: deadline exceeded")
+        return real_call(method, request, timeout_s)
+
+    client.call = call
+    evals = [pb.EvalLease(eval_lease_id=40, version=0, prompt_token_ids=[7], data_source="t", ground_truth="9")]
+    training = [pb.PromptLease(lease_id=500 + i, prompt_id=900 + i, prompt_token_ids=[1, 2], data_source="t",
+                               ground_truth="9") for i in range(2)]
+    client.lease_script = [pb.LeaseResponse(leases=training, eval_leases=evals, latest_version=0)]
+    real_send = FakePusher.send
+
+    def send_then_stop(self, frames):
+        actor.stop.set()
+        return real_send(self, frames)
+
+    FakePusher.send = send_then_stop
+    try:
+        assert actor.run() == 0
+    finally:
+        FakePusher.send = real_send
+    pushed = [decode_group(f, auth_token=actor.cfg.transport.auth_token, max_message_bytes=1 << 20).lease_id
+              for f in FakePusher.sent]
+    assert pushed == [500, 501] and len(client.named("ReportEval")) == 1
+    assert actor.metrics.counters["eval_reports_failed"] == 1
+
+
+def episode_actor(client: FakeClient, env: str) -> Actor:
+    """An actor whose every row is an episode of ``env`` (real environment workers)."""
+    cfg = DapoConfig()
+    cfg.actor = dataclasses.replace(cfg.actor, env=env, env_workers=1)
+    actor = Actor(cfg, client, FakeEngine(), FakeVerifier(), lambda ids: "x" * len(ids),
+                  lambda actor_id: (0, {"v": 0}), ActorMetrics(), threading.Event(), encode=lambda text: [5] * len(text))
+    actor.session = Session(1, "run", RUN, FakePusher("tcp://fake"), threading.Event(), threading.Event())
+    return actor
+
+
+@pytest.mark.timeout(120)
+def test_held_out_episodes_are_not_counted_as_training_episodes():
+    client = FakeClient()
+    actor = episode_actor(client, "tests.sample_envs:MisbehavingEnv")
+    try:
+        actor.eval_leases = [pb.EvalLease(eval_lease_id=40 + i, version=0, prompt_token_ids=[7, i], data_source="t",
+                                          ground_truth="9") for i in range(3)]
+        actor.evaluate()
+        assert actor.metrics.counters["eval_prompts_sampled"] == 3 and len(client.named("ReportEval")) == 1
+        assert actor.metrics.counters.get("episodes", 0) == 0 and actor.metrics.counters.get("turns", 0) == 0
+        leases = [pb.PromptLease(lease_id=1, prompt_id=1, prompt_token_ids=[1], data_source="t", ground_truth="9")]
+        actor.generate(leases)  # a training batch: its G = 2 episodes count
+        assert (actor.metrics.counters["episodes"], actor.metrics.counters["turns"]) == (2, 2)
+    finally:
+        actor.close()
+
+
+@pytest.mark.timeout(120)
+def test_environment_error_counts_survive_a_lost_session():
+    """The environment workers outlive a session: their error count goes on growing (before, a new
+    pool after every session loss restarted it at 0, so the counter sent to the learner fell)."""
+    client = FakeClient()
+    actor = episode_actor(client, "tests.sample_envs:MisbehavingEnv")
+    try:
+        def batch(truth: str) -> None:
+            actor.generate([pb.PromptLease(lease_id=1, prompt_id=1, prompt_token_ids=[1], data_source="t",
+                                           ground_truth=truth)])
+
+        batch("raise")
+        assert actor.metrics.counters["env_errors"] == 2  # G = 2 episodes, each raised
+        actor.close_session()  # the learner restarted
+        actor.session = Session(2, "run2", RUN, FakePusher("tcp://fake"), threading.Event(), threading.Event())
+        batch("ok")
+        assert actor.metrics.counters["env_errors"] == 2
+    finally:
+        actor.close()

@@ -316,7 +316,7 @@ def test_bad_arguments_are_rejected(engines):
 @pytest.mark.parametrize("kind", ENGINES)
 @pytest.mark.parametrize("chunk_tokens", [None, 3])
 def test_stop_when_ends_a_sample_at_an_environments_stop_string(engines, hf_models, model_path, kind, chunk_tokens):
-    """Multi-turn episodes (actors/episodes.py): a sample ends right after the token that completes a
+    """Multi-turn episodes (actors/rollout.py): a sample ends right after the token that completes a
     stop string, also while weights may load between chunks; its log-probs are still the sampler's."""
     from transformers import AutoTokenizer
 

@@ -1,4 +1,4 @@
-"""Multi-turn episodes (actors/episodes.py) on the real torch engine and real env workers."""
+"""Multi-turn episodes (actors/rollout.py's driver) on the real torch engine and real env workers."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from actors.engines.torch_engine import TorchEngine
 from actors.env_pool import EnvPool
-from actors.episodes import EpisodeRow, run_episodes
+from actors.rollout import Row, Sampling, run_episodes
 from actors.verifier import FAILED_REWARD
 from dapo.envs import Calculator, Episode, calculate, CalcError
 from tests.sample_envs import OBSERVATION
@@ -40,11 +40,10 @@ def test_turns_end_at_the_stop_string_and_observations_are_masked_tokens_the_mod
     engine, tok = tiny
     decode, encode = codec(tok)
     prompts = [prompt_ids(tok, q) for q in ("374+458", "120+305")]
-    rows = [EpisodeRow(list(p), "dapo_builtin", "0", "tests.sample_envs:EqualsEnv") for p in prompts]
+    rows = [Row(list(p), "dapo_builtin", "0", "tests.sample_envs:EqualsEnv") for p in prompts]
     pool = EnvPool(2, 30.0)
     try:
-        out = run_episodes(engine, rows, 4, pool, decode=decode, encode=encode, max_tokens=48, max_turns=3,
-                           temperature=1.0, top_p=1.0, seed=3)
+        out = run_episodes(engine, rows, 4, pool, decode=decode, encode=encode, sampling=Sampling(48, 1.0, 1.0, 3, max_turns=3))
     finally:
         pool.close()
     obs = encode(OBSERVATION)
@@ -77,17 +76,15 @@ def test_a_hanging_or_raising_environment_ends_only_its_own_episode(tiny):
     decode, encode = codec(tok)
     prompt = prompt_ids(tok, "374+458")
     truths = ["ok", "hang", "raise", "slow"]
-    rows = [EpisodeRow(list(prompt), "dapo_builtin", t, "tests.sample_envs:MisbehavingEnv") for t in truths]
+    rows = [Row(list(prompt), "dapo_builtin", t, "tests.sample_envs:MisbehavingEnv") for t in truths]
     pool = EnvPool(2, 2.0)
     try:
-        out = run_episodes(engine, rows, 1, pool, decode=decode, encode=encode, max_tokens=16, max_turns=1,
-                           temperature=1.0, top_p=1.0, seed=0)
+        out = run_episodes(engine, rows, 1, pool, decode=decode, encode=encode, sampling=Sampling(16, 1.0, 1.0, 0, max_turns=1))
         assert [(g[0].reward, g[0].error[:12]) for g in out] == [
             (1.0, ""), (FAILED_REWARD, "timeout"), (FAILED_REWARD, "RuntimeError"), (1.0, "")]
         assert (pool.num_steps, pool.num_errors, pool.num_timeouts) == (4, 2, 1)
         # The pool goes on with a fresh worker for the one that hung.
-        again = run_episodes(engine, rows[:1], 2, pool, decode=decode, encode=encode, max_tokens=8, max_turns=1,
-                             temperature=1.0, top_p=1.0, seed=1)
+        again = run_episodes(engine, rows[:1], 2, pool, decode=decode, encode=encode, sampling=Sampling(8, 1.0, 1.0, 1, max_turns=1))
         assert [e.reward for e in again[0]] == [1.0, 1.0]
     finally:
         pool.close()
@@ -100,12 +97,11 @@ def test_an_environment_that_never_ends_a_final_episode_fails_it_once_instead_of
     engine, tok = tiny
     decode, encode = codec(tok)
     finals = tmp_path / "finals"
-    rows = [EpisodeRow(prompt_ids(tok, q), "dapo_builtin", str(finals), "tests.sample_envs:NeverEndsEnv")
+    rows = [Row(prompt_ids(tok, q), "dapo_builtin", str(finals), "tests.sample_envs:NeverEndsEnv")
             for q in ("374+458", "120+305")]
     pool = EnvPool(2, 30.0)
     try:
-        out = run_episodes(engine, rows, 3, pool, decode=decode, encode=encode, max_tokens=48, max_turns=2,
-                           temperature=1.0, top_p=1.0, seed=5)
+        out = run_episodes(engine, rows, 3, pool, decode=decode, encode=encode, sampling=Sampling(48, 1.0, 1.0, 5, max_turns=2))
         episodes = [e for g in out for e in g]
         assert [(e.reward, e.error) for e in episodes] == [
             (FAILED_REWARD, "protocol: answered a final turn (Episode.final) without ending the episode (Step.done)")] * 6
@@ -114,6 +110,49 @@ def test_an_environment_that_never_ends_a_final_episode_fails_it_once_instead_of
         assert pool.num_errors == 6
     finally:
         pool.close()
+
+
+def test_a_batch_mixing_environments_ends_each_turn_at_its_own_stop_strings_and_reprefill_applies_where_it_can(
+        tiny, caplog):
+    """EqualsEnv ends turns at "="; MisbehavingEnv has no stop string: its turn runs past "=" (one
+    union of stop strings used to cut it there). actor.inflight_reprefill reaches the engine for the
+    environment without stop strings, and is said not to apply to the other (it was ignored)."""
+    engine, tok = tiny
+    decode, encode = codec(tok)
+    calls = []
+    real_generate = engine.generate
+
+    def recording(prompts, n, **kwargs):
+        calls.append((len(prompts), kwargs["reprefill"], kwargs["stop_when"] is not None))
+        return real_generate(prompts, n, **kwargs)
+
+    engine.generate = recording
+    prompt = prompt_ids(tok, "374+458")
+    rows = [Row(prompt, "dapo_builtin", "0", "tests.sample_envs:EqualsEnv"),
+            Row(prompt, "dapo_builtin", "ok", "tests.sample_envs:MisbehavingEnv")]
+    pool = EnvPool(2, 30.0)
+    try:
+        out = run_episodes(engine, rows, 4, pool, decode=decode, encode=encode,
+                           sampling=Sampling(24, 1.0, 1.0, 7, max_turns=1, chunk_tokens=4, between_chunks=lambda: None,
+                                             reprefill=True))
+    finally:
+        pool.close()
+        engine.generate = real_generate
+    assert calls == [(1, False, True), (1, True, False)]  # turn 1: one call per environment
+    equals, free = [decode(e.token_ids) for e in out[0]], [decode(e.token_ids) for e in out[1]]
+    assert all(t.endswith("=") or "=" not in t for t in equals)
+    assert any("=" in t and not t.endswith("=") for t in free), free  # the warm-started model writes "a+b=c"
+    assert "actor.inflight_reprefill does not apply to episodes of tests.sample_envs:EqualsEnv" in caplog.text
+
+
+def test_load_env_passes_the_scoring_function_when_taken_and_keeps_a_constructor_s_own_type_error():
+    from dapo.envs import load_env
+    from tests.sample_envs import NoScoreFnEnv
+
+    assert isinstance(load_env("tests.sample_envs:NoScoreFnEnv"), NoScoreFnEnv)
+    assert load_env("dapo.envs:Calculator", score_fn=len).score_fn is len
+    with pytest.raises(TypeError, match="threshold must be an int"):  # not hidden behind a second call
+        load_env("tests.sample_envs:BrokenConfigEnv")
 
 
 def test_calculator_answers_calls_and_scores_the_final_turn():
@@ -149,7 +188,7 @@ def test_an_episode_crosses_the_wire_intact_and_only_its_model_tokens_are_traine
 
     import torch
 
-    from actors.episodes import EpisodeSample
+    from actors.rollout import Rollout
     from actors.loop import build_group
     from dapo.algorithm import policy_loss
     from dapo.config import AlgorithmConfig
@@ -157,17 +196,17 @@ def test_an_episode_crosses_the_wire_intact_and_only_its_model_tokens_are_traine
     from learner.batch import from_groups
 
     # Two episodes: model turn (versions 3), observation (mask 0), model turn sampled after a weight update.
-    a = EpisodeSample([5, 6, 7, 90, 91, 8, 9], [-0.5, -0.25, -1.0, 0.0, 0.0, -0.5, -2.0], [3, 3, 3, 3, 3, 4, 4],
-                      "stop", loss_mask=[1, 1, 1, 0, 0, 1, 1], reward=1.0, acc=True, turns=2, tool_calls=1)
-    b = EpisodeSample([5, 6, 7, 90, 91, 92, 93, 94, 95, 9], [-0.1] * 3 + [0.0] * 6 + [-0.3], [3] * 10, "stop",
-                      loss_mask=[1, 1, 1, 0, 0, 0, 0, 0, 0, 1], reward=-1.0, acc=False, turns=2, tool_calls=1,
-                      tool_failures=1)
+    a = Rollout([5, 6, 7, 90, 91, 8, 9], [-0.5, -0.25, -1.0, 0.0, 0.0, -0.5, -2.0], [3, 3, 3, 3, 3, 4, 4],
+                "stop", 1.0, True, loss_mask=[1, 1, 1, 0, 0, 1, 1], episode=True, turns=2, tool_calls=1)
+    b = Rollout([5, 6, 7, 90, 91, 92, 93, 94, 95, 9], [-0.1] * 3 + [0.0] * 6 + [-0.3], [3] * 10, "stop", -1.0, False,
+                loss_mask=[1, 1, 1, 0, 0, 0, 0, 0, 0, 1], episode=True, turns=2, tool_calls=1, tool_failures=1)
     session = SimpleNamespace(run_id="run", actor_id=2)
     lease = SimpleNamespace(lease_id=11, prompt_id=12, prompt_token_ids=[1, 2, 3])
     run = SimpleNamespace(overlong_punishment=True, max_response_tokens=8, overlong_cache_tokens=4)
-    group = build_group(session, lease, [a, b], [a.reward, b.reward], [a.acc, b.acc], run)
-    # Overlong shaping counts model tokens: a has 5 (ramp from 4: -1/4), b has 4 (none), though b is 10 long.
-    assert group.rewards.tolist() == [0.75, -1.0]
+    group = build_group(session, lease, [a, b], run)
+    # Overlong shaping counts the whole episode, observations too (the cap that cuts it counts them):
+    # a is 7 long (ramp from 8 - 4 = 4: -3/4), b is 10 (past the cap of 8: -1).
+    assert group.rewards.tolist() == [0.25, -2.0]
     got = decode_group(encode_group(group, "t"), auth_token="t", max_message_bytes=1 << 20)
     assert got.loss_mask.tolist() == a.loss_mask + b.loss_mask
     assert got.token_versions().tolist() == a.versions + b.versions
@@ -209,7 +248,7 @@ def test_a_stop_string_split_between_two_engine_calls_ends_the_turn_where_it_com
     the seam. The expected end is found here by decoding every prefix of the whole text."""
     from transformers import AutoTokenizer
 
-    from actors.episodes import boundary_stop
+    from actors.rollout import boundary_stop
     from dapo.tiny import ensure_tiny_model
 
     tok = AutoTokenizer.from_pretrained(ensure_tiny_model(ROOT / ".cache" / "dapo", progress=False))

@@ -13,7 +13,7 @@ import pytest
 from actors import sandbox
 from actors.sandbox import Limits, run_python
 
-FAST = Limits(cpu_s=1, wall_s=3.0, memory_mb=256, output_bytes=4096)
+FAST = Limits(cpu_s=1, wall_s=20.0, memory_mb=256, output_bytes=4096)  # the wall: far beyond a loaded CI's start-up
 
 
 def test_code_runs_reads_stdin_and_writes_inside_its_directory():

@@ -158,7 +158,7 @@ def test_custom_score_fn_signals_unknown_source_and_keeps_other_errors_scored(ve
 
 @pytest.mark.timeout(90)
 def test_actor_stops_on_an_unscorable_lease_instead_of_pushing_minus_one(monkeypatch):
-    """The actor loop's scoring stage with the real worker: a lease whose data_source has no
+    """The actor's scoring (actors.rollout) with the real worker: a lease whose data_source has no
     verifier raises out of the loop (actors/main.py logs it and exits 3); no group is built."""
     import threading
 
@@ -170,19 +170,24 @@ def test_actor_stops_on_an_unscorable_lease_instead_of_pushing_minus_one(monkeyp
     from dapo.config import DapoConfig
     from protos import coordinator_pb2 as pb
 
+    class TwoSamples:  # an engine that answers every prompt with the same two samples
+        version = 0
+
+        def generate(self, prompts, n, **kwargs):
+            return [[Sample([5, 6], np.zeros(2, np.float32), [0, 0], "stop")] * n for _ in prompts]
+
     run = pb.RunParams(num_samples_per_prompt=2, max_response_tokens=8, overlong_punishment=False)
     v = Verifier(timeout_s=10.0)
-    actor = Actor(DapoConfig(), None, None, v, lambda ids: "Answer: 2", None, ActorMetrics(), threading.Event())
+    actor = Actor(DapoConfig(), None, TwoSamples(), v, lambda ids: "Answer: 2", None, ActorMetrics(), threading.Event())
     actor.session = Session(1, "run", run, None, threading.Event(), threading.Event())
-    samples = [[Sample([5, 6], np.zeros(2, np.float32), [0, 0], "stop")] * 2 for _ in range(2)]
     leases = [pb.PromptLease(lease_id=1, prompt_id=1, prompt_token_ids=[1], data_source="dapo_builtin",
                              ground_truth="2"),
               pb.PromptLease(lease_id=2, prompt_id=2, prompt_token_ids=[1], data_source="my_bench", ground_truth="2")]
     try:
-        groups = actor.score_and_shape(leases[:1], samples[:1])
+        groups = actor.shape(leases[:1], actor.generate(leases[:1]))
         assert groups[0].scores.tolist() == [1.0, 1.0]
         with pytest.raises(UnscorableDataSource, match="'my_bench'"):
-            actor.score_and_shape(leases, samples)
+            actor.generate(leases)
         assert actor.metrics.counters["verifier_errors"] == 0
     finally:
         v.close()
