@@ -176,7 +176,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                "  dapo eval builtin:tiny data/aime-2024.parquet --k 2 --limit 8\n"
                "  dapo eval /models/Qwen2.5-Math-7B aime-2024.parquet --k 32 --top-p 0.7 "
                "--max-response-tokens 3072 --out aime.json\n"
-               "Hydra overrides (key=value, see dapo/config.py) set what eval shares with training:\n"
+               "Hydra overrides (key=value, see dapo/config/) set what eval shares with training:\n"
                "  actor.reward_fn, actor.verifier_timeout_s   the scoring function and its deadline\n"
                "  data.dedup_by_prompt, data.builtin_num_eval_prompts\n"
                "  run.cache_dir, run.seed                       where builtin:tiny is built, and its seed",

@@ -30,7 +30,7 @@ EPILOG = """\
 Everything after the options is a Hydra override, e.g.
   DAPO_TOKEN=SECRET dapo actor --learner 10.0.0.5:50051 actor.engine=torch
   dapo actor --learner 127.0.0.1:50051 actor.update_mode=inflight actor.prometheus_port=9100
-Keys: see dapo/config.py (ActorConfig, ModelConfig, TransportConfig, WeightSyncConfig) or `dapo config`.
+Keys: see dapo/config/ (ActorConfig, ModelConfig, TransportConfig, WeightSyncConfig) or `dapo config`.
 The learner's token: DAPO_TOKEN in the environment or transport.auth_token_file=FILE (chmod 600 FILE),
 never transport.auth_token=... on the command line (refused for a learner beyond loopback).
 """

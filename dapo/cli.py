@@ -32,7 +32,7 @@ Hydra overrides follow the subcommand, e.g.
 (beyond loopback the default token is refused: python -c "import secrets; print(secrets.token_hex(16))";
 the token goes in the environment, DAPO_TOKEN, or a 0600 file, transport.auth_token_file=FILE, never
 on the command line, where every user of the machine can read it)
-Every key is documented in dapo/config.py; `dapo config [overrides]` prints the resolved config.
+Every key is documented in dapo/config/ (a module per section); `dapo config [overrides]` prints the resolved config.
 """
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 from actors.engines.base import Engine, Sample, WeightLoadTimeout
 
 
-# actor.engine=auto: below this many bytes of weight files the torch engine wins (dapo/config.py ActorConfig.engine).
+# actor.engine=auto: below this many bytes of weight files the torch engine wins (dapo/config/actor.py ActorConfig.engine).
 AUTO_TORCH_MAX_WEIGHT_BYTES = 64 * 2**20
 
 

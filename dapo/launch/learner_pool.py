@@ -71,7 +71,7 @@ The default run.run_dir=runs/latest makes a new folder runs/<date>-<time> and po
 (with learner.resume set: continues the run it points to). A folder that holds another run is refused
 unless learner.resume=latest continues it (one history: metrics, audit and curves span the whole run)
 or run.overwrite=true replaces it.
-Every key is documented in dapo/config.py; `dapo config [overrides]` prints the resolved config.
+Every key is documented in dapo/config/ (a module per section); `dapo config [overrides]` prints the resolved config.
 """
 
 # torchrun flags that take a value (given as --flag VALUE or --flag=VALUE; torchrun takes '_' for '-').

@@ -94,7 +94,7 @@ def test_dapo_run_refuses_bad_data_weights_resume_and_a_missing_package_in_one_l
         f"learner.resume={tmp_path}": f"dapo run: learner.resume={tmp_path}: not a checkpoint (no .metadata there); "
                                       f"expected a folder like {run_dir}/checkpoints/step_<N>, or learner.resume=latest",
         "learner.totl_steps=3": "dapo run: config key `learner.totl_steps` is unknown; did you mean learner.total_steps? "
-                                "(the keys of `learner`: LearnerConfig in dapo/config.py; `dapo config` prints them all)",
+                                "(the keys of `learner`: LearnerConfig in dapo/config/learner.py; `dapo config` prints them all)",
     }
     if importlib.util.find_spec("wandb") is None:  # as here: the package is not installed
         cases["learner.wandb=true"] = ("dapo run: learner.wandb=true but the wandb package is not installed here: "

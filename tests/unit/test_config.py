@@ -219,12 +219,12 @@ def test_tensor_parallel_size_is_vllms_and_at_least_one():
 def test_an_unknown_key_is_answered_first_with_our_did_you_mean_in_one_line_without_hydras_append_hint():
     expected = {
         "learner.totl_steps=3": "config key `learner.totl_steps` is unknown; did you mean learner.total_steps? (the "
-                                "keys of `learner`: LearnerConfig in dapo/config.py; `dapo config` prints them all)",
+                                "keys of `learner`: LearnerConfig in dapo/config/learner.py; `dapo config` prints them all)",
         "lerner.total_steps=3": "config key `lerner.total_steps` is unknown; did you mean learner.total_steps? (the "
                                 "sections are model, data, algorithm, actor, learner, transport, weights, run; "
                                 "`dapo config` prints them all)",
         "learner.qqq=1": "config key `learner.qqq` is unknown (the keys of `learner`: LearnerConfig in "
-                         "dapo/config.py; `dapo config` prints them all)",
+                         "dapo/config/learner.py; `dapo config` prints them all)",
     }
     for override, message in expected.items():
         with pytest.raises(ConfigError) as err:
@@ -239,3 +239,14 @@ def test_an_unknown_key_is_answered_first_with_our_did_you_mean_in_one_line_with
     # Not a key problem: Hydra's own message stays.
     with pytest.raises(ConfigError, match=r"^invalid config override: .*learner\.total_steps=abc"):
         load_config(["learner.total_steps=abc"])
+
+
+def test_every_section_takes_keyword_arguments_only():
+    from dapo import config
+
+    for section in (config.ModelConfig, config.DataConfig, config.AlgorithmConfig, config.ActorConfig,
+                     config.LearnerConfig, config.TransportConfig, config.WeightSyncConfig, config.RunConfig):
+        first = next(iter(section.__dataclass_fields__))
+        with pytest.raises(TypeError, match="positional"):
+            section("value")
+        assert getattr(section(), first) == getattr(section(**{first: getattr(section(), first)}), first)

@@ -49,7 +49,7 @@ mallinfo2) for the learner and the actors alike, and nothing else of ctypes."""
 
 def sources() -> list[Path]:
     files = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")]
-    assert any(p.parts[-2:] == ("dapo", "config.py") for p in files)  # the walk found the tree
+    assert any(p.parts[-3:] == ("dapo", "config", "__init__.py") for p in files)  # the walk found the tree
     return sorted(files)
 
 
