@@ -20,9 +20,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = "tests/data"
-# A path out of the repository in a test source: the workplace's folder beside the clone, or an
-# absolute path into the machine the tests were written on.
-OUTSIDE = re.compile(r"""\.\./shared|["']shared["']\s*/|/work/""")
+# A path out of the repository in a test source: the workplace's folder beside the clone (a
+# relative "../shared"; Path(__file__).parents[N] above the root is PARENTS' case), or an absolute
+# path into the machine the tests were written on. A tmp_path / "shared" folder is a test's own.
+OUTSIDE = re.compile(r"""\.\./shared|["']\.\.["']\s*/\s*["']shared|/work/""")
 PARENTS = re.compile(r"\.parents\[(\d+)\]")
 SELF = Path(__file__).resolve().relative_to(ROOT).as_posix()  # its patterns would match themselves
 
