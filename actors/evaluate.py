@@ -157,6 +157,14 @@ def format_table(report: dict[str, Any]) -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_intermixed_args(argv)
+    if problem := argument_problem(args):
+        parser.error(problem)
+    return args
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dapo eval",
         description=(
@@ -224,24 +232,28 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--save-responses", action="store_true",
                         help="include every decoded response in the JSON's per_prompt entries")
     parser.add_argument("--verbose", action="store_true", help="keep vLLM's warnings (default: errors only)")
-    args = parser.parse_intermixed_args(argv)
+    return parser
+
+
+def argument_problem(args: argparse.Namespace) -> str:
+    """What is wrong with the parsed arguments, in one line ('' when nothing)."""
     for name in ("k", "max_response_tokens", "limit", "samples_per_batch"):
         value = getattr(args, name)
         if value is not None and value < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+            return f"--{name.replace('_', '-')} must be >= 1, got {value}"
     if args.temperature is not None and args.temperature <= 0:
-        parser.error(f"--temperature must be > 0 (sampling), got {args.temperature}")
+        return f"--temperature must be > 0 (sampling), got {args.temperature}"
     if args.top_p is not None and not 0 < args.top_p <= 1:
-        parser.error(f"--top-p must be in (0, 1], got {args.top_p}")
+        return f"--top-p must be in (0, 1], got {args.top_p}"
     if refusal := check_report_path(args.out, args.force):
-        parser.error(refusal)
+        return refusal
     for override in args.overrides:
         key = override.split("=", 1)[0].lstrip("+~")
         if "=" not in override:
-            parser.error(f"{override!r} is neither a flag nor a key=value override; see --help")
+            return f"{override!r} is neither a flag nor a key=value override; see --help"
         if key in _NO_EFFECT_KEYS:
-            parser.error(f"override {override!r} has no effect in dapo eval: {_NO_EFFECT_KEYS[key]}")
-    return args
+            return f"override {override!r} has no effect in dapo eval: {_NO_EFFECT_KEYS[key]}"
+    return ""
 
 
 def check_data_sources(prompts: list[Prompt], data: str, template: str, reward_fn: str, actor_env: str = "") -> None:

@@ -100,35 +100,16 @@ def policy_loss(
       detached. ``tis_cap=None`` with behavior_logp gives the untruncated weight; without
       ``behavior_logp`` there is no weight (w = 1, e.g. bypass mode where π_prox = μ).
 
-    Aggregation (``agg``), with m the mask, n_i = Σ_t m_it and S the sequences with n_i > 0:
-      token-mean               Σ_it m·L / num_tokens                       (DAPO)
-      seq-mean-token-mean      Σ_i [Σ_t m·L / n_i] / num_seqs              (GRPO)
-      seq-mean-token-sum       Σ_it m·L / num_seqs
-      seq-mean-token-sum-norm  Σ_it m·L / (num_seqs · token_sum_norm)      (Dr.GRPO)
-    ``num_tokens`` (Σ m) and ``num_seqs`` (|S|) are the global counts of the whole mini-batch,
-    across micro-batches and ranks: then the losses (and gradients) of any split of a
-    mini-batch sum exactly to the whole's. Left None, the local counts are used.
-    ``token_sum_norm`` is Dr.GRPO's constant, default T of this tensor; pass a fixed value
-    (e.g. actor.max_response_tokens) when micro-batches are padded to different T.
-    Sequences without unmasked tokens contribute 0 (no NaN); an empty batch gives loss 0.
+    Aggregation (``agg``, ``num_tokens``, ``num_seqs``, ``token_sum_norm``): ``_aggregate``. With the
+    global counts of the whole mini-batch, the losses (and gradients) of any split of a mini-batch
+    across micro-batches and ranks sum exactly to the whole's.
 
     Metrics (detached 0-d tensors, means over the unmasked tokens of this call):
     ``clipfrac_high`` (Â > 0, u > 1+ε_high: gradient cut), ``clipfrac_low`` (Â < 0, u < 1-ε_low),
     ``dualclip_frac``, ``approx_kl_k1`` = mean(log π_prox - log π_θ), ``approx_kl_k3`` =
     mean(u - 1 - log u), ``importance_weight_mean`` (1 without TIS), ``num_tokens`` (local).
     """
-    if agg not in AGG_MODES:
-        raise ValueError(f"policy_loss: agg={agg!r} is not one of {AGG_MODES}; "
-                         "set algorithm.loss_agg to one of them.")
-    if clip_c is not None and clip_c <= 1:
-        raise ValueError(f"policy_loss: clip_c={clip_c} must be > 1 (or None to disable dual clip).")
-    shapes = [tuple(x.shape) for x in (logp, logp_prox, mask, behavior_logp) if x is not None]
-    if logp.ndim != 2 or len(set(shapes)) != 1:
-        raise ValueError(f"policy_loss: logp, logp_prox, mask (and behavior_logp) must share one "
-                         f"[B, T] shape; got {shapes}")
-    if advantages.shape not in (logp.shape[:1], logp.shape):
-        raise ValueError(f"policy_loss: advantages must be [B] or [B, T] = {tuple(logp.shape)}; "
-                         f"got {tuple(advantages.shape)}")
+    _check_loss_inputs(logp, logp_prox, advantages, mask, behavior_logp, agg, clip_c)
     # π_prox and μ are constants of the step: a caller passing logp itself as logp_prox (the
     # on-policy shortcut) must get the policy gradient, not a ratio that is identically 1.
     logp_prox = logp_prox.detach()
@@ -143,18 +124,10 @@ def policy_loss(
     pg_loss1 = -adv * ratio
     pg_loss2 = -adv * ratio.clamp(1 - eps_low, 1 + eps_high)
     pg_loss = torch.maximum(pg_loss1, pg_loss2)
-    dual = torch.zeros_like(m)
-    if clip_c is not None:
-        cap = -adv * clip_c
-        dual = (adv < 0) & (pg_loss > cap)
-        pg_loss = torch.where(adv < 0, torch.minimum(pg_loss, cap), pg_loss)
+    dual = torch.zeros_like(m) if clip_c is None else (adv < 0) & (pg_loss > -adv * clip_c)
+    pg_loss = torch.where(dual, -adv * clip_c, pg_loss) if clip_c is not None else pg_loss  # dual clip, Â < 0
 
-    weight = torch.ones_like(logp)
-    if behavior_logp is not None:
-        log_w = torch.where(m, logp_prox - behavior_logp.detach(), torch.zeros_like(logp))
-        weight = torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-        if tis_cap is not None:
-            weight = weight.clamp(max=tis_cap)
+    weight = torch.ones_like(logp) if behavior_logp is None else truncated_is_weight(logp_prox, behavior_logp, m, tis_cap)
     token_loss = torch.where(m, weight * pg_loss, torch.zeros_like(pg_loss))
 
     loss = _aggregate(token_loss, mf, agg, num_tokens, num_seqs, token_sum_norm)
@@ -164,21 +137,52 @@ def policy_loss(
         def mean(x: torch.Tensor) -> torch.Tensor:
             return (x.to(logp.dtype) * mf).sum() / n_local.clamp(min=1)
 
-        metrics = {
-            "clipfrac_high": mean((adv > 0) & (ratio > 1 + eps_high)),
-            "clipfrac_low": mean((adv < 0) & (ratio < 1 - eps_low)),
-            "dualclip_frac": mean(dual),
-            "approx_kl_k1": mean(-log_ratio),
-            "approx_kl_k3": mean(ratio - 1 - log_ratio),
-            "importance_weight_mean": mean(weight),
-            "num_tokens": n_local.detach(),
-        }
+        metrics = {"clipfrac_high": mean((adv > 0) & (ratio > 1 + eps_high)),
+                   "clipfrac_low": mean((adv < 0) & (ratio < 1 - eps_low)), "dualclip_frac": mean(dual),
+                   "approx_kl_k1": mean(-log_ratio), "approx_kl_k3": mean(ratio - 1 - log_ratio),
+                   "importance_weight_mean": mean(weight), "num_tokens": n_local.detach()}
     return loss, metrics
+
+
+def truncated_is_weight(logp_prox: torch.Tensor, behavior_logp: torch.Tensor, mask: torch.Tensor,
+                        cap: Optional[float]) -> torch.Tensor:
+    """w = min(π_prox / μ, cap) per token, detached ([B, T]; 1 where ``mask`` is off): the truncated
+    importance weight of the module docstring (w_t), which corrects for the sampler μ;
+    ``cap=None``: untruncated."""
+    log_w = torch.where(mask, logp_prox - behavior_logp.detach(), torch.zeros_like(logp_prox))
+    weight = torch.exp(log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    return weight if cap is None else weight.clamp(max=cap)
+
+
+def _check_loss_inputs(logp: torch.Tensor, logp_prox: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                       behavior_logp: Optional[torch.Tensor], agg: str, clip_c: Optional[float]) -> None:
+    if agg not in AGG_MODES:
+        raise ValueError(f"policy_loss: agg={agg!r} is not one of {AGG_MODES}; "
+                         "set algorithm.loss_agg to one of them.")
+    if clip_c is not None and clip_c <= 1:
+        raise ValueError(f"policy_loss: clip_c={clip_c} must be > 1 (or None to disable dual clip).")
+    shapes = [tuple(x.shape) for x in (logp, logp_prox, mask, behavior_logp) if x is not None]
+    if logp.ndim != 2 or len(set(shapes)) != 1:
+        raise ValueError(f"policy_loss: logp, logp_prox, mask (and behavior_logp) must share one "
+                         f"[B, T] shape; got {shapes}")
+    if advantages.shape not in (logp.shape[:1], logp.shape):
+        raise ValueError(f"policy_loss: advantages must be [B] or [B, T] = {tuple(logp.shape)}; "
+                         f"got {tuple(advantages.shape)}")
 
 
 def _aggregate(token_loss: torch.Tensor, mf: torch.Tensor, agg: str, num_tokens: Optional[float],
                num_seqs: Optional[float], token_sum_norm: Optional[float]) -> torch.Tensor:
-    """Reduce masked per-token losses [B, T] to a scalar (see ``policy_loss``)."""
+    """Aggregation of ``policy_loss`` (``agg``), with m the mask, n_i = Σ_t m_it and S the sequences
+    with n_i > 0:
+      token-mean               Σ_it m·L / num_tokens                       (DAPO)
+      seq-mean-token-mean      Σ_i [Σ_t m·L / n_i] / num_seqs              (GRPO)
+      seq-mean-token-sum       Σ_it m·L / num_seqs
+      seq-mean-token-sum-norm  Σ_it m·L / (num_seqs · token_sum_norm)      (Dr.GRPO)
+    ``num_tokens`` (Σ m) and ``num_seqs`` (|S|) are the global counts of the whole mini-batch,
+    across micro-batches and ranks; left None, the local counts are used. ``token_sum_norm`` is
+    Dr.GRPO's constant, default T of this tensor; pass a fixed value (e.g. actor.max_response_tokens)
+    when micro-batches are padded to different T. Sequences without unmasked tokens contribute 0
+    (no NaN); an empty batch gives loss 0."""
     seq_tokens = mf.sum(-1)  # n_i
     if agg == "token-mean":
         tokens = mf.sum() if num_tokens is None else torch.as_tensor(num_tokens, device=mf.device)
