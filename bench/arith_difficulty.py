@@ -1,4 +1,4 @@
-"""Per-prompt pass rates of a model on the natural-language arithmetic task (``dapo.arith``), per kind.
+"""Per-prompt pass rates of a model on the natural-language arithmetic task (``dapo.tasks.arith``), per kind.
 
 RL learns only from groups of mixed accuracy, so the task's difficulty is set from this: for each
 prompt, the fraction of ``--k`` samples (temperature 1, ``--max-response-tokens``) that the
@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dapo import arith  # noqa: E402
+from dapo.tasks import arith  # noqa: E402
 from dapo.data import BUILTIN_EVAL_SEED  # noqa: E402
 
 BANDS = ((0.0, 0.0), (0.01, 0.19), (0.2, 0.8), (0.81, 0.99), (1.0, 1.0))

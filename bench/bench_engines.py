@@ -58,12 +58,12 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from actors.engines import make_engine
-    from dapo import task
-    from dapo.tiny import ensure_tiny_model, render_builtin_prompt
+    from dapo.tasks import addition
+    from dapo.models.tiny import ensure_tiny_model, render_builtin_prompt
 
     path = str(ensure_tiny_model(args.cache_dir, progress=False))
     tok = AutoTokenizer.from_pretrained(path)
-    problems = task.sample_problems("eval", max(args.prompts), seed=0)
+    problems = addition.sample_problems("eval", max(args.prompts), seed=0)
     prompts = [tok(render_builtin_prompt(tok, a, b))["input_ids"] for a, b in problems]
     rows: dict[tuple[int, str], list[float]] = {}
     for kind in ("torch", "vllm"):

@@ -76,13 +76,13 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from actors.engines.vllm_engine import VllmEngine
-    from dapo import task
-    from dapo.tiny import ensure_tiny_model, render_builtin_prompt
+    from dapo.tasks import addition
+    from dapo.models.tiny import ensure_tiny_model, render_builtin_prompt
 
     path = str(ensure_tiny_model(args.cache_dir, progress=False))
     tok = AutoTokenizer.from_pretrained(path)
     prompts = [tok(render_builtin_prompt(tok, a, b))["input_ids"]
-               for a, b in task.sample_problems("eval", args.prompts, seed=0)]
+               for a, b in addition.sample_problems("eval", args.prompts, seed=0)]
     state = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
     engine = VllmEngine(path, dtype="float32", max_model_len_tokens=max(map(len, prompts)) + args.max_tokens, seed=0)
     # Every response runs to --max-tokens, so that the modes decode the same lengths: no stop ids

@@ -11,7 +11,7 @@ per-parameter path, torch's default on a CPU); and each of those per learner com
         --compute-dtype float32 bfloat16 --modes plain --steps 3 --warmup 1 --prompt-len 40 --response-len 48
 
 --model: an HF folder (float32 master weights whatever it stores); default the warm-started tiny
-model (``dapo.tiny.ensure_tiny_model(".cache/dapo")``, built once if absent). One gloo rank, one
+model (``dapo.models.tiny.ensure_tiny_model(".cache/dapo")``, built once if absent). One gloo rank, one
 thread; a batch like a real step's: --prompts groups of --samples responses of random tokens,
 prompt and response lengths uniform within ±40 % of the given means, recompute mode, the default
 LearnerConfig (2 mini-batches, chunked log-prob head) without warm-up, ``learner.compute_dtype`` as
@@ -80,7 +80,7 @@ def make_sampled_groups(args: argparse.Namespace, path: str) -> list[TrajectoryG
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dapo.data import render_prompt
-    from dapo.task import make_builtin_rows
+    from dapo.tasks.addition import make_builtin_rows
 
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -142,7 +142,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dapo.tiny import ensure_tiny_model
+    from dapo.models.tiny import ensure_tiny_model
 
     path = args.model or ensure_tiny_model(ROOT / ".cache" / "dapo")
     dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/pg", rank=0, world_size=1)

@@ -48,7 +48,7 @@ def child(args: argparse.Namespace) -> dict:
 
     torch.manual_seed(0)
     if args.model == "tiny":
-        from dapo.tiny import RECIPE as r
+        from dapo.models.tiny import RECIPE as r
 
         cfg = Qwen2Config(vocab_size=r["vocab_size"], hidden_size=r["hidden_size"],
                           intermediate_size=r["intermediate_size"], num_hidden_layers=r["num_hidden_layers"],
@@ -123,7 +123,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=16, help="prompt tokens per sequence (no loss)")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--model", choices=["qwen0.5b-width", "tiny"], default="qwen0.5b-width",
-                    help="tiny = the embedded default's architecture (dapo/tiny.py RECIPE; --layers ignored)")
+                    help="tiny = the embedded default's architecture (dapo/models/tiny.py RECIPE; --layers ignored)")
     ap.add_argument("--chunks", type=int, nargs="+", default=[0, 512, 1024, 2048],
                     help="learner.logprob_chunk_tokens values (0 = unchunked)")
     ap.add_argument("--reps", type=int, default=1, help="timed forward+backward passes per subprocess")

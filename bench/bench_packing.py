@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--append", default="")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    from dapo.tiny import build_model, build_tokenizer
+    from dapo.models.tiny import build_model, build_tokenizer
 
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=0, world_size=1)

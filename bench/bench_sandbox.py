@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from actors import code_env, sandbox  # noqa: E402
-from dapo import code_task  # noqa: E402
+from dapo.tasks import coding  # noqa: E402
 
 OLD_COMMIT = "a20b13b"
 """The last commit with the audit-hook sandbox."""
@@ -50,7 +50,7 @@ def load_old_sandbox():
 
 
 def runners(old) -> dict[str, dict[str, callable]]:
-    truth = code_task.tests_of("add_n", 7)
+    truth = coding.tests_of("add_n", 7)
 
     def isolated(mode: str, fn):
         def call():

@@ -46,7 +46,7 @@ def main() -> int:
     ap.add_argument("--keep", type=Path, help="run folder to keep (default: a temporary one)")
     args = ap.parse_args()
 
-    from dapo.tiny import ensure_tiny_model
+    from dapo.models.tiny import ensure_tiny_model
     from learner.checkpoint import latest_checkpoint
 
     n, k = args.num_prompts_per_step, args.max_staleness_steps

@@ -446,7 +446,7 @@ def worker(spec: dict) -> None:
     from trl import GRPOTrainer
 
     from dapo.config import load_config
-    from dapo.models import resolve_model_path
+    from dapo.models.registry import resolve_model_path
 
     if trl.__version__ != TRL_VERSION:
         raise SystemExit(f"TRL {trl.__version__} in .venv-bench, expected {TRL_VERSION} (pyproject's bench extra)")

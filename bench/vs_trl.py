@@ -19,7 +19,7 @@ flags override a knob; ``--tune`` measures the grid those defaults are chosen fr
 Same workload on both sides: the tiny model folder (``builtin:tiny``, warm-started, cached), the
 built-in task's training prompts (same rendering, same token ids), 8 prompts x 8 samples per batch,
 two optimizer updates per batch, 48-token cap, temperature 1, eps 0.2 / 0.28, no KL, lr with a
-5-batch (10-update) linear warm-up, reward +1/-1 from ``dapo.rewards.score`` (``dapo.task.verify``)
+5-batch (10-update) linear warm-up, reward +1/-1 from ``dapo.rewards.score`` (``dapo.tasks.addition.verify``)
 plus the soft overlong punishment (L_cache 8) as TRL's second reward function. Held-out accuracy:
 one instrument on both sides (``learner.evaluate.Evaluator``: 128 held-out problems, one sample
 each at temperature 1, in a forked process beside the training), after version 0 and every 5

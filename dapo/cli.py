@@ -154,7 +154,7 @@ def _add_model_parser(sub: argparse._SubParsersAction) -> None:
 def _import_model(file: str, out: str) -> None:
     from pathlib import Path
 
-    from dapo.gguf_import import import_file
+    from dapo.models.gguf_import import import_file
 
     try:
         folder = import_file(Path(file).expanduser(), Path(out).expanduser())

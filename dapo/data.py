@@ -5,7 +5,7 @@ Rows are dicts in the verl / DAPO schema: ``data_source`` (str, picks the verifi
 ``reward_model.ground_truth`` (str), ``extra_info.index``, plus whatever else the file holds.
 ``load_rows`` reads ``.parquet`` (pyarrow) and ``.jsonl`` (one JSON object per line), and the
 other containers and row schemas of ``dapo.formats`` (``datasets`` folders, GSM8K's
-question/answer, TRL's prompt columns); ``builtin`` rows come from ``dapo.task.make_builtin_rows``.
+question/answer, TRL's prompt columns); ``builtin`` rows come from ``dapo.tasks.addition.make_builtin_rows``.
 
 Rendering a row into prompt text (``render_prompt``), exactly:
 
@@ -38,20 +38,23 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from dapo import arith, code_task, envs, formats, rewards, task
+from dapo import envs, formats, rewards
+from dapo.tasks import arith
+from dapo.tasks import coding
+from dapo.tasks import addition
 
 log = logging.getLogger(__name__)
 
 TEMPLATES = ("auto", "chat", "dapo", "raw")
 BUILTIN = "builtin"
 BUILTIN_LONG = "builtin:long"
-"""The built-in task's long variant (``task.make_chain_rows``: 272-430-token responses)."""
+"""The built-in task's long variant (``addition.make_chain_rows``: 272-430-token responses)."""
 BUILTIN_ARITH = "builtin:arith"
-"""Arithmetic questions in words for a real small model (``dapo.arith``, scored ``numeric``)."""
+"""Arithmetic questions in words for a real small model (``dapo.tasks.arith``, scored ``numeric``)."""
 BUILTIN_CALC = "builtin:calc"
-"""Two-digit products with a calculator tool (``task.make_calc_rows``, multi-turn: ``dapo.envs.Calculator``)."""
+"""Two-digit products with a calculator tool (``addition.make_calc_rows``, multi-turn: ``dapo.envs.Calculator``)."""
 BUILTIN_CODE = "builtin:code"
-"""Small Python functions scored by unit tests in a sandbox (``code_task.make_code_rows``: ``actors.code_env``)."""
+"""Small Python functions scored by unit tests in a sandbox (``coding.make_code_rows``: ``actors.code_env``)."""
 BUILTIN_EVAL_SEED = 0
 """The built-in held-out set does not depend on ``run.seed``: eval numbers compare across runs."""
 
@@ -188,8 +191,8 @@ class PromptDataset:
                       str(row["reward_model"]["ground_truth"]))
 
 
-BUILTIN_TASKS = {BUILTIN: task.make_builtin_rows, BUILTIN_LONG: task.make_chain_rows, BUILTIN_ARITH: arith.make_rows,
-                 BUILTIN_CALC: task.make_calc_rows, BUILTIN_CODE: code_task.make_code_rows}
+BUILTIN_TASKS = {BUILTIN: addition.make_builtin_rows, BUILTIN_LONG: addition.make_chain_rows, BUILTIN_ARITH: arith.make_rows,
+                 BUILTIN_CALC: addition.make_calc_rows, BUILTIN_CODE: coding.make_code_rows}
 """Built-in dataset name -> ``make(split, n, seed)`` of its rows."""
 
 
@@ -245,7 +248,7 @@ def inspect_main(file: str, rows: int, overrides: list[str]) -> None:
     from transformers import AutoTokenizer
 
     from dapo.config import load_config
-    from dapo.models import resolve_model_path
+    from dapo.models.registry import resolve_model_path
 
     try:  # a bad override, model path or file (ConfigError is a ValueError): the message says what to fix
         cfg = load_config(overrides)

@@ -10,9 +10,9 @@ The verifier is chosen by the row's ``data_source`` (``verifier_for``; names in 
   ``\\boxed{..}`` in the last 1000 characters (else the DAPO ``Answer:`` line: AIME prompted with
   the DAPO template), the same normalisation, then equal as numbers when both are plain decimals
   ("042" == "42" == "42.0"), else as strings.
-- ``dapo_builtin``, the built-in task (``dapo.task.verify``): the integer on the last ``Answer:``
+- ``dapo_builtin``, the built-in task (``dapo.tasks.addition.verify``): the integer on the last ``Answer:``
   line equals the sum.
-- ``numeric``, ``verify_numeric`` (``NUMERIC_SOURCES``: ``numeric``, verl's ``openai/gsm8k``; dapo.arith's task): lenient,
+- ``numeric``, ``verify_numeric`` (``NUMERIC_SOURCES``: ``numeric``, verl's ``openai/gsm8k``; dapo.tasks.arith's task): lenient,
   as GSM8K's "flexible-extract" scoring: the last number in the last 1000 characters, unless an
   explicit answer holds one (the last ``\\boxed{}``, else the last ``#### 42`` line), compared
   exactly as decimals (56 == 56.0 == 056; "1,234" == 1234; "$-5" == -5). The ground truth is read
@@ -45,7 +45,7 @@ import threading
 from decimal import Decimal
 from typing import Callable, Mapping
 
-from dapo import task
+from dapo.tasks import addition
 from dapo.math_normalize import (INVALID, as_number, extract_dapo_answer, last_boxed,
                                  normalize_final_answer)
 
@@ -191,14 +191,14 @@ def known_sources() -> str:
     """Human-readable list of the data sources ``score`` accepts."""
     return (f"{', '.join(DAPO_SOURCES)}, {'*, '.join(DAPO_PREFIXES)}* (DAPO math); "
             f"{'*, '.join(BOXED_PREFIXES)}*, {', '.join(BOXED_SOURCES)} (boxed); "
-            f"{', '.join(NUMERIC_SOURCES)} (last number, GSM8K flexible-extract); {task.DATA_SOURCE} (built-in task); "
-            f"{task.CALC_DATA_SOURCE} (built-in calculator task, multi-turn: dapo.envs.Calculator)")
+            f"{', '.join(NUMERIC_SOURCES)} (last number, GSM8K flexible-extract); {addition.DATA_SOURCE} (built-in task); "
+            f"{addition.CALC_DATA_SOURCE} (built-in calculator task, multi-turn: dapo.envs.Calculator)")
 
 
 VERIFIER_NAMES = {verify_dapo_math: "math_dapo (the last `Answer:` line)",
                   verify_boxed: "boxed (the last \\boxed{}, else `Answer:`)",
                   verify_numeric: "numeric (a `####` / \\boxed{} number, else the last number)",
-                  task.verify: "builtin (the `Answer:` integer)"}
+                  addition.verify: "builtin (the `Answer:` integer)"}
 
 
 def verifier_name(data_source: str) -> str:
@@ -212,8 +212,8 @@ def verifier_for(data_source: str) -> AnswerCheck:
     if not isinstance(data_source, str):
         raise UnknownDataSource(f"data_source must be a string, got {data_source!r}: known sources are "
                                 f"{known_sources()}.")
-    if data_source in (task.DATA_SOURCE, task.CALC_DATA_SOURCE):
-        return task.verify
+    if data_source in (addition.DATA_SOURCE, addition.CALC_DATA_SOURCE):
+        return addition.verify
     if data_source in DAPO_SOURCES or data_source.startswith(DAPO_PREFIXES):
         return verify_dapo_math
     if data_source in BOXED_SOURCES or data_source.startswith(BOXED_PREFIXES):

@@ -18,7 +18,7 @@ os.environ.setdefault("VLLM_CACHE_ROOT", str(ROOT / ".cache" / "vllm"))
 def pytest_sessionstart(session):
     """Build the embedded tiny model once, before any test runs (a minute or two on a new
     machine): outside every test's timeout, and never by two test processes at once."""
-    from dapo.tiny import ensure_tiny_model
+    from dapo.models.tiny import ensure_tiny_model
 
     ensure_tiny_model(ROOT / ".cache" / "dapo", progress=False)
 
@@ -27,7 +27,7 @@ def pytest_sessionstart(session):
 def random_tiny_model(tmp_path_factory) -> Path:
     """The embedded tiny architecture and tokenizer with random weights (no warm start: fast);
     enough to start a learner. Read-only for the tests that share it."""
-    from dapo.tiny import build_model, build_tokenizer
+    from dapo.models.tiny import build_model, build_tokenizer
 
     out = tmp_path_factory.mktemp("tiny")
     tok = build_tokenizer()

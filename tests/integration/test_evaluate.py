@@ -190,7 +190,7 @@ def _run_eval(args: list[str], out: Path, episodes: bool = False) -> dict:
 
 @pytest.fixture(scope="module")
 def tiny_path() -> Path:
-    from dapo.tiny import ensure_tiny_model
+    from dapo.models.tiny import ensure_tiny_model
 
     return ensure_tiny_model(CACHE_DIR, progress=False)
 
@@ -238,9 +238,9 @@ def test_boxed_and_dapo_math_sources_end_to_end(tmp_path, tiny_path):
     verifier, ground truths zero-padded: numeric equality) and the DAPO math source (string
     equality), at the paper's top_p 0.7: every verdict is checked, so a verifier that says always
     False (or always True) fails here even though AIME itself scores ~0."""
-    from dapo import task
+    from dapo.tasks import addition
 
-    problems = task.make_builtin_rows("eval", 12, seed=7)
+    problems = addition.make_builtin_rows("eval", 12, seed=7)
     rows = []
     for i, row in enumerate(problems):
         source, truth = ("aime24", row["reward_model"]["ground_truth"].zfill(4)) if i % 2 else \
@@ -262,11 +262,11 @@ def test_boxed_and_dapo_math_sources_end_to_end(tmp_path, tiny_path):
 @pytest.mark.timeout(180)
 def test_builtin_heldout_matches_independent_hf_sampler(tmp_path, tiny_path):
     """avg@k from vLLM + dapo.data + the verifier worker equals, within sampling noise, the
-    accuracy of transformers' own sampler on the same problems scored by dapo.task.verify."""
+    accuracy of transformers' own sampler on the same problems scored by dapo.tasks.addition.verify."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dapo import task
+    from dapo.tasks import addition
     from dapo.config import load_config
     from dapo.data import BUILTIN_EVAL_SEED
 
@@ -280,7 +280,7 @@ def test_builtin_heldout_matches_independent_hf_sampler(tmp_path, tiny_path):
     assert overall["pass@k"] >= overall["avg@k"]
 
     cfg = load_config([])
-    rows = task.make_builtin_rows("eval", cfg.data.builtin_num_eval_prompts, BUILTIN_EVAL_SEED)[:num_prompts]
+    rows = addition.make_builtin_rows("eval", cfg.data.builtin_num_eval_prompts, BUILTIN_EVAL_SEED)[:num_prompts]
     assert [p["ground_truth"] for p in report["per_prompt"]] == [r["reward_model"]["ground_truth"] for r in rows]
     tok = AutoTokenizer.from_pretrained(tiny_path, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
@@ -292,7 +292,7 @@ def test_builtin_heldout_matches_independent_hf_sampler(tmp_path, tiny_path):
                              num_return_sequences=k, max_new_tokens=report["max_response_tokens"],
                              pad_token_id=tok.pad_token_id)
     responses = tok.batch_decode(out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
-    correct = [task.verify(text, rows[i // k]["reward_model"]["ground_truth"])[0]
+    correct = [addition.verify(text, rows[i // k]["reward_model"]["ground_truth"])[0]
                for i, text in enumerate(responses)]
     hf_acc = sum(correct) / len(correct)
     # Both estimate the same per-sample accuracy from 256 samples; the std of the difference is
@@ -300,7 +300,7 @@ def test_builtin_heldout_matches_independent_hf_sampler(tmp_path, tiny_path):
     # or top_p moves it by far more.
     assert abs(overall["avg@k"] - hf_acc) < 0.15, (overall["avg@k"], hf_acc)
     # The per-data_source breakdown of a single-source dataset is the overall row.
-    assert report["by_data_source"] == {task.DATA_SOURCE: overall}
+    assert report["by_data_source"] == {addition.DATA_SOURCE: overall}
 
 
 @pytest.mark.slow
@@ -309,9 +309,9 @@ def test_custom_reward_fn_scores_a_source_no_verifier_knows(tmp_path, tiny_path)
     """One reward path: ``dapo eval`` scores with actor.reward_fn, as training does. ``even_truth``
     accepts exactly the even ground truths of the source ``arith`` (unknown to dapo.rewards),
     whatever the model wrote, so avg@k is known in advance."""
-    from dapo import task
+    from dapo.tasks import addition
 
-    rows = [dict(row, data_source="arith") for row in task.make_builtin_rows("eval", 10, seed=7)]
+    rows = [dict(row, data_source="arith") for row in addition.make_builtin_rows("eval", 10, seed=7)]
     data = tmp_path / "arith.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     even = [int(r["reward_model"]["ground_truth"]) % 2 == 0 for r in rows]
@@ -333,10 +333,10 @@ def test_multi_turn_rows_run_as_episodes_of_their_environment(tmp_path, tiny_pat
     when it had more than one turn and its ground truth is even. Every figure is re-derived from the
     saved text and the rows: the observations in the text are the tool calls, one more is the
     turns, acc follows, and the summary counts them."""
-    from dapo import task
+    from dapo.tasks import addition
     from tests.sample_envs import OBSERVATION
 
-    rows = task.make_builtin_rows("eval", 6, seed=7)
+    rows = addition.make_builtin_rows("eval", 6, seed=7)
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     k = 4

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dapo import task
+from dapo.tasks import addition
 from dapo.plots import read_metrics
 from tests.chaos.cluster import ROOT
 
@@ -28,9 +28,9 @@ STEPS, N = 4, 4
 
 
 def _gsm8k_records(split: str, n: int) -> list[dict]:
-    rows = task.make_builtin_rows(split, n, seed=0)
+    rows = addition.make_builtin_rows(split, n, seed=0)
     return [{"question": r["prompt"][0]["content"],
-             "answer": task.worked_solution(r["extra_info"]["a"], r["extra_info"]["b"]) + "\n#### "
+             "answer": addition.worked_solution(r["extra_info"]["a"], r["extra_info"]["b"]) + "\n#### "
              + r["reward_model"]["ground_truth"]} for r in rows]
 
 

@@ -24,7 +24,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dapo import algorithm, rewards, task, tiny
+from dapo import algorithm, rewards
+from dapo.tasks import addition
+from dapo.models import tiny
 from dapo.config import load_config
 from tests.procs import soak_only
 
@@ -82,7 +84,7 @@ class Sampler:
 
 def _score(tok, problem, response_ids):
     a, b = problem
-    return rewards.score(task.DATA_SOURCE, tok.decode(response_ids, skip_special_tokens=True), str(a + b))
+    return rewards.score(addition.DATA_SOURCE, tok.decode(response_ids, skip_special_tokens=True), str(a + b))
 
 
 def _group(prompt_id: int, samples, scored, cfg, version: int):
@@ -144,8 +146,8 @@ def _learner_rank(rank: int, init_file: str, out_file: str) -> None:
     sampler = Sampler(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), tok,
                       cfg.actor.max_response_tokens)
     sampler.load(trainer.full_state_dict())  # version 0, as published before step 1
-    eval_problems = task.sample_problems("eval", NUM_EVAL_PROMPTS, seed=0)
-    train_problems = iter(task.sample_problems("train", 20_000, seed=0))
+    eval_problems = addition.sample_problems("eval", NUM_EVAL_PROMPTS, seed=0)
+    train_problems = iter(addition.sample_problems("train", 20_000, seed=0))
     curve, truncated_seen, steps = [sampler.accuracy(eval_problems, seed=1234)], 0, []
     for step in range(NUM_STEPS):
         groups, truncated = _collect_batch(sampler, cfg, train_problems, step)

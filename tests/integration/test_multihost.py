@@ -47,7 +47,7 @@ OVERRIDES = [f"algorithm.num_prompts_per_step={N}", f"algorithm.max_staleness_st
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
-    from dapo.tiny import ensure_tiny_model
+    from dapo.models.tiny import ensure_tiny_model
 
     return str(ensure_tiny_model(ROOT / ".cache" / "dapo", progress=False))
 

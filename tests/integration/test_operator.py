@@ -31,7 +31,7 @@ CACHE = ROOT / ".cache" / "dapo"
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
-    from dapo.tiny import ensure_tiny_model
+    from dapo.models.tiny import ensure_tiny_model
 
     return str(ensure_tiny_model(CACHE, progress=False))
 

@@ -36,7 +36,7 @@ NUM_WEIGHT_LOADS = 10
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
-    from dapo.tiny import ensure_tiny_model
+    from dapo.models.tiny import ensure_tiny_model
 
     return str(ensure_tiny_model(ROOT / ".cache" / "dapo", progress=False))
 

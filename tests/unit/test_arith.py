@@ -1,4 +1,4 @@
-"""dapo.arith (builtin:arith) and experiment=smollm2_arith: every answer right (recomputed from the
+"""dapo.tasks.arith (builtin:arith) and experiment=smollm2_arith: every answer right (recomputed from the
 question text by an independent reading), the splits disjoint by arithmetic fact, rows scored by
 the numeric verifier, the preset's settings."""
 
@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from dapo import arith, data, rewards
+from dapo import data, rewards
+from dapo.tasks import arith
 from dapo.config import load_config
 
 

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from dapo import data, task
+from dapo import data
+from dapo.tasks import addition
 from dapo.config import load_config
 from dapo.data import DAPO_PREFIX, DAPO_SUFFIX, PromptDataset, load_rows, render_prompt
-from dapo.tiny import build_tokenizer
+from dapo.models.tiny import build_tokenizer
 
 DATA = Path(__file__).resolve().parents[1] / "data"  # tests/data: real verl-format files (README there)
 FILES = ["aime-2024.parquet", "dapo-math-17k-sample16.parquet", "toy-arith-dapo-format.jsonl"]
@@ -115,37 +116,37 @@ def test_bad_files_name_the_problem(tmp_path):
 
 
 def test_builtin_rows_are_verl_rows_and_splits_are_disjoint(tok):
-    train = task.make_builtin_rows("train", 2000, seed=3)
-    evals = task.make_builtin_rows("eval", 200, seed=3)
-    assert train == task.make_builtin_rows("train", 2000, seed=3)  # deterministic
-    assert train[:100] != task.make_builtin_rows("train", 100, seed=4)
+    train = addition.make_builtin_rows("train", 2000, seed=3)
+    evals = addition.make_builtin_rows("eval", 200, seed=3)
+    assert train == addition.make_builtin_rows("train", 2000, seed=3)  # deterministic
+    assert train[:100] != addition.make_builtin_rows("train", 100, seed=4)
     key = lambda r: r["prompt"][0]["content"]  # noqa: E731
     assert not {key(r) for r in train} & {key(r) for r in evals}
     assert len({key(r) for r in train}) == 2000
     row = evals[0]
     a, b = row["extra_info"]["a"], row["extra_info"]["b"]
-    assert row["data_source"] == task.DATA_SOURCE and key(row) == f"{a}+{b}"
+    assert row["data_source"] == addition.DATA_SOURCE and key(row) == f"{a}+{b}"
     assert row["reward_model"]["ground_truth"] == str(a + b)
     assert render_prompt(row, tok, "auto") == _chatml(f"{a}+{b}")
 
 
 def test_builtin_worked_solution_is_verified():
     a, b = 374, 458
-    text = task.worked_solution(a, b)
+    text = addition.worked_solution(a, b)
     assert text == "4+8+0=12, 7+5+1=13, 3+4+1=8. Answer: 832"
-    assert task.verify(text, "832") == (True, "832")
-    verbose = task.worked_solution(a, b, verbose=True)
+    assert addition.verify(text, "832") == (True, "832")
+    verbose = addition.worked_solution(a, b, verbose=True)
     assert verbose.startswith("4+8+0=12, 7+5+1=13, 3+4+1=8, again 4+8+0=12") and verbose.endswith("Answer: 832")
     import random
-    noisy = [task.worked_solution(a, b, rng=random.Random(i), step_error_prob=1.0) for i in range(20)]
-    assert not any(task.verify(t, "832")[0] for t in noisy)  # every column wrong -> answer wrong
+    noisy = [addition.worked_solution(a, b, rng=random.Random(i), step_error_prob=1.0) for i in range(20)]
+    assert not any(addition.verify(t, "832")[0] for t in noisy)  # every column wrong -> answer wrong
 
 
 def test_build_dataset_from_config(tok):
     cfg = load_config(["data.builtin_num_train_prompts=50", "data.builtin_num_eval_prompts=16"])
     train, evals = data.build_dataset(cfg, "train", tok), data.build_dataset(cfg, "eval", tok)
     assert (len(train), len(evals)) == (50, 16)
-    assert train[0].data_source == task.DATA_SOURCE
+    assert train[0].data_source == addition.DATA_SOURCE
     assert len(train[0].prompt_token_ids) == 15  # ChatML around "abc+def": digits are single tokens
 
 
@@ -161,7 +162,7 @@ def test_build_dataset_refuses_data_sources_without_a_verifier(tmp_path, tok, sp
     """An unscorable row would score -1 in every actor (a run that looks like data too hard): the
     learner's start-up fails instead, naming the source(s), the known ones and the fixes, before
     any prompt is rendered."""
-    path = _rows_file(tmp_path / "rows.jsonl", ["aime24", "gsm8k", "gsm8k", "my_bench", task.DATA_SOURCE])
+    path = _rows_file(tmp_path / "rows.jsonl", ["aime24", "gsm8k", "gsm8k", "my_bench", addition.DATA_SOURCE])
     cfg = load_config([f"data.{split}_path={path}"])
     rendered = []
     monkeypatch.setattr(data, "render_prompt", lambda *a: rendered.append(a) or "x")
@@ -174,9 +175,9 @@ def test_build_dataset_refuses_data_sources_without_a_verifier(tmp_path, tok, sp
     assert "set actor.reward_fn=module:function" in msg  # training and held-out evaluation alike
     assert rendered == []
     monkeypatch.undo()
-    good = _rows_file(tmp_path / "good.jsonl", ["aime24", "math_dapo", task.DATA_SOURCE])
+    good = _rows_file(tmp_path / "good.jsonl", ["aime24", "math_dapo", addition.DATA_SOURCE])
     ds = data.build_dataset(load_config([f"data.{split}_path={good}"]), split, tok)
-    assert [ds[i].data_source for i in range(len(ds))] == ["aime24", "math_dapo", task.DATA_SOURCE]
+    assert [ds[i].data_source for i in range(len(ds))] == ["aime24", "math_dapo", addition.DATA_SOURCE]
 
 
 def test_custom_reward_fn_owns_its_sources_in_training_and_evaluation(tmp_path, tok):

@@ -22,7 +22,7 @@ ENGINES = ("vllm", "torch")
 
 
 def _random_qwen2(path, seed: int) -> None:
-    """A random tiny Qwen2 (vllm-on-cpu.md §3 shapes); used only until dapo.tiny is available."""
+    """A random tiny Qwen2 (vllm-on-cpu.md §3 shapes); used only until dapo.models.tiny is available."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -37,7 +37,7 @@ def _random_qwen2(path, seed: int) -> None:
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory) -> str:
     try:
-        from dapo.tiny import ensure_tiny_model
+        from dapo.models.tiny import ensure_tiny_model
     except ImportError:
         path = tmp_path_factory.mktemp("tiny")
         _random_qwen2(path, seed=0)

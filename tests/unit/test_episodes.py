@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def tiny():
     from transformers import AutoTokenizer
 
-    from dapo.tiny import ensure_tiny_model
+    from dapo.models.tiny import ensure_tiny_model
 
     path = ensure_tiny_model(ROOT / ".cache" / "dapo", progress=False)
     return TorchEngine(str(path), seed=0), AutoTokenizer.from_pretrained(path)
@@ -249,7 +249,7 @@ def test_a_stop_string_split_between_two_engine_calls_ends_the_turn_where_it_com
     from transformers import AutoTokenizer
 
     from actors.rollout import boundary_stop
-    from dapo.tiny import ensure_tiny_model
+    from dapo.models.tiny import ensure_tiny_model
 
     tok = AutoTokenizer.from_pretrained(ensure_tiny_model(ROOT / ".cache" / "dapo", progress=False))
     decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731

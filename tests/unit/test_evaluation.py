@@ -7,7 +7,7 @@ import torch
 from dapo.config import load_config
 from dapo.data import build_dataset
 from dapo.evaluation import sampled_accuracy
-from dapo.models import resolve_model_path
+from dapo.models.registry import resolve_model_path
 from dapo.rewards import UnknownDataSource, score
 
 

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dapo import task
+from dapo.tasks import addition
 from dapo.config import load_config
 from dapo.data import build_dataset
 from dapo.evaluation import sampled_accuracy
@@ -32,7 +32,7 @@ REWARDS_DIR = Path(__file__).resolve().parents[1] / "integration"  # actor_rewar
 def setup():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dapo.models import resolve_model_path
+    from dapo.models.registry import resolve_model_path
 
     cfg = load_config(["learner.seed=3"])
     path = resolve_model_path(cfg)
@@ -117,7 +117,7 @@ def test_held_out_accuracy_is_the_reward_fns_on_a_source_no_verifier_knows(setup
     whatever the model wrote): the accuracy is the fraction of even ground truths, exactly."""
     cfg, path, tokenizer, model, _ = setup
     monkeypatch.syspath_prepend(str(REWARDS_DIR))
-    rows = [dict(row, data_source="arith") for row in task.make_builtin_rows("eval", 40, seed=5)]
+    rows = [dict(row, data_source="arith") for row in addition.make_builtin_rows("eval", 40, seed=5)]
     data = tmp_path / "arith.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     even = sum(int(r["reward_model"]["ground_truth"]) % 2 == 0 for r in rows)
@@ -170,7 +170,7 @@ def test_unscorable_held_out_set_fails_at_start_up(setup, tmp_path, reward_fn, s
     cfg, path, tokenizer, _, _ = setup
     data = tmp_path / "arith.jsonl"
     data.write_text("".join(json.dumps(dict(r, data_source="arith")) + "\n"
-                            for r in task.make_builtin_rows("eval", 3, seed=5)))
+                            for r in addition.make_builtin_rows("eval", 3, seed=5)))
     with pytest.raises(ValueError, match=says):
         Evaluator(load_config([f"data.eval_path={data}", f"actor.reward_fn={reward_fn}"]), path, tokenizer)
 
@@ -179,7 +179,7 @@ EXIT_BY_EXCEPTION = """
 import signal, sys
 from transformers import AutoTokenizer
 from dapo.config import load_config
-from dapo.models import resolve_model_path
+from dapo.models.registry import resolve_model_path
 from learner.evaluate import Evaluator
 
 signal.signal(signal.SIGTERM, lambda *_: None)  # as learner.loop.StopFlag does before the fork

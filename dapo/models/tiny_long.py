@@ -1,8 +1,8 @@
 """``builtin:tiny-long`` (``BUILTIN_LONG_MODEL``): the embedded tiny model fine-tuned on the
-long built-in task (``dapo.task.chain_solution``: 272-430-token responses), for generation-heavy
+long built-in task (``dapo.tasks.addition.chain_solution``: 272-430-token responses), for generation-heavy
 runs (``dapo run experiment=long_response``).
 
-It starts from the default warm-started model (``dapo.tiny``: it already adds three-digit
+It starts from the default warm-started model (``dapo.models.tiny``: it already adds three-digit
 numbers column by column) and fine-tunes it, supervised, on train-split chains: a *skill* phase
 on clean chains, then a short *noise* phase where a column sum is written wrong with a small
 probability, so that sampled chains (temperature 1) are sometimes wrong and groups have mixed
@@ -21,12 +21,13 @@ import random
 from pathlib import Path
 from typing import Any
 
-from dapo import task, tiny
+from dapo.tasks import addition
+from dapo.models import tiny
 
 log = logging.getLogger(__name__)
 
 BUILTIN_LONG_MODEL = "builtin:tiny-long"
-"""``model.path`` of this model (``dapo.models.resolve_model_path``)."""
+"""``model.path`` of this model (``dapo.models.registry.resolve_model_path``)."""
 
 LONG_RECIPE: dict[str, Any] = {
     "version": 1,
@@ -51,9 +52,9 @@ def _batch(tokenizer: Any, chains: list[tuple[int, ...]], rng: random.Random,
     import torch
 
     pad_id = tokenizer.convert_tokens_to_ids(tiny.PAD_TOKEN)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": task.chain_problem_text(c)}],
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": addition.chain_problem_text(c)}],
                                              add_generation_prompt=True, tokenize=False) for c in chains]
-    responses = [task.chain_solution(c, rng=rng, step_error_prob=error_prob) + tiny.EOS_TOKEN for c in chains]
+    responses = [addition.chain_solution(c, rng=rng, step_error_prob=error_prob) + tiny.EOS_TOKEN for c in chains]
     prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
     response_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
     seqs = [p + r for p, r in zip(prompt_ids, response_ids)]
@@ -72,7 +73,7 @@ def _fine_tune(model: Any, tokenizer: Any, seed: int) -> dict[str, float]:
     rng = random.Random(f"dapo-tiny-long/{seed}")
     phases = (LONG_RECIPE["skill"], LONG_RECIPE["noise"])
     bs = LONG_RECIPE["batch_size"]
-    chains = iter(task.sample_chain_problems("train", sum(p["steps"] for p in phases) * bs, seed=seed + 2_000_000))
+    chains = iter(addition.sample_chain_problems("train", sum(p["steps"] for p in phases) * bs, seed=seed + 2_000_000))
 
     def batches(phase: dict[str, Any]):
         return lambda: _batch(tokenizer, [next(chains) for _ in range(bs)], rng, phase["step_error_prob"])

@@ -12,7 +12,7 @@ verifiable (``verify``: the integer on the last ``Answer:`` line equals a + b).
 Why this task (the design constraints of the embedded default):
 - RL must start at 0.1-0.4 held-out accuracy and reach >= 0.8 in minutes on 2 CPU cores. From
   random init every group is all wrong and nothing is learned, so the tiny model is warm-started
-  by supervised training (``dapo.tiny``): first on clean worked solutions until it has the
+  by supervised training (``dapo.models.tiny``): first on clean worked solutions until it has the
   skill (greedy answers right), then briefly on *noisy* ones: each column sum is written wrong
   with probability ``step_error_prob`` (the rest of the solution stays consistent with the wrong
   sum) and some responses are ``verbose`` (the columns worked twice). The warm-started model

@@ -1,5 +1,5 @@
 """The embedded tiny model: a Qwen2-style causal LM and byte-level BPE tokenizer, built offline
-and warm-started on the built-in task (``dapo.task``), saved as an HF folder that transformers
+and warm-started on the built-in task (``dapo.tasks.addition``), saved as an HF folder that transformers
 and vLLM both load.
 
 Pipeline (``ensure_tiny_model``), deterministic for a seed:
@@ -43,12 +43,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from dapo import task
+from dapo.tasks import addition
 
 log = logging.getLogger(__name__)
 
 BUILTIN_MODEL = "builtin:tiny"
-"""``model.path`` of this model (``dapo.models.resolve_model_path``)."""
+"""``model.path`` of this model (``dapo.models.registry.resolve_model_path``)."""
 
 RECIPE: dict[str, Any] = {
     "version": 4,
@@ -109,9 +109,9 @@ def build_tokenizer() -> Any:
 
     rng = random.Random("dapo-tiny-tokenizer")
     corpus = []
-    for a, b in task.sample_problems("train", 300, seed=12345):
-        response = task.worked_solution(a, b, verbose=rng.random() < 0.2)
-        corpus.append(f"{BOS_TOKEN}user\n{task.problem_text(a, b)}{EOS_TOKEN}\n"
+    for a, b in addition.sample_problems("train", 300, seed=12345):
+        response = addition.worked_solution(a, b, verbose=rng.random() < 0.2)
+        corpus.append(f"{BOS_TOKEN}user\n{addition.problem_text(a, b)}{EOS_TOKEN}\n"
                       f"{BOS_TOKEN}assistant\n{response}{EOS_TOKEN}\n")
     corpus += list(_EXTRA_CORPUS) * 5
     tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
@@ -153,7 +153,7 @@ def build_model(tokenizer: Any, seed: int) -> Any:
 
 def render_builtin_prompt(tokenizer: Any, a: int, b: int) -> str:
     """The prompt text of problem a + b (chat template with the generation prompt)."""
-    return tokenizer.apply_chat_template([{"role": "user", "content": task.problem_text(a, b)}],
+    return tokenizer.apply_chat_template([{"role": "user", "content": addition.problem_text(a, b)}],
                                          add_generation_prompt=True, tokenize=False)
 
 
@@ -164,7 +164,7 @@ def _sft_batch(tokenizer: Any, problems: list[tuple[int, int]], rng: random.Rand
 
     pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
     prompts = [render_builtin_prompt(tokenizer, a, b) for a, b in problems]
-    responses = [task.worked_solution(a, b, rng=rng, step_error_prob=phase["step_error_prob"],
+    responses = [addition.worked_solution(a, b, rng=rng, step_error_prob=phase["step_error_prob"],
                                       verbose=rng.random() < phase["verbose_prob"]) + EOS_TOKEN
                  for a, b in problems]
     # One batched call each (the per-call overhead dominated the step time otherwise).
@@ -208,7 +208,7 @@ def sft_steps(model: Any, steps: int, lr: float, warmup_steps: int,
 def fine_tune_phases(model: Any, phases: list[tuple[str, dict[str, Any], Callable[[], tuple[Any, Any, Any]]]],
                      warmup_steps: int, label: str) -> dict[str, float]:
     """Supervised phases ``(name, {"steps", "lr"}, next_batch)`` in order (``sft_steps``), for the
-    variants fine-tuned from this model (``dapo.tiny_long``, ``dapo.tiny_calc``); each phase's last loss."""
+    variants fine-tuned from this model (``dapo.models.tiny_long``, ``dapo.models.tiny_calc``); each phase's last loss."""
     model.train()
     last = {}
     for name, phase, next_batch in phases:
@@ -271,7 +271,7 @@ def warm_started_model(tokenizer: Any, seed: int, *, progress: bool = True) -> t
             init_seed = seed + 7919 * attempt  # the first attempt uses the run seed itself
             model = build_model(tokenizer, init_seed)
             model.train()
-            problems = iter(task.sample_problems("train", (skill["steps"] + noise["steps"]) * RECIPE["sft_batch_size"],
+            problems = iter(addition.sample_problems("train", (skill["steps"] + noise["steps"]) * RECIPE["sft_batch_size"],
                                                  seed=init_seed + 1_000_000))
             rng = random.Random(f"dapo-tiny-sft/{init_seed}")
             losses = _train_phase(model, tokenizer, problems, rng, clean, skill["steps"], skill["lr"], bar)

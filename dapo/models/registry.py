@@ -1,7 +1,7 @@
 """``model.path`` -> a model folder: a built-in model by its name (built once under
 ``run.cache_dir``), else a local HF folder.
 
-Above the builders: ``dapo.tiny_long`` and ``dapo.tiny_calc`` fine-tune the model of ``dapo.tiny``,
+Above the builders: ``dapo.models.tiny_long`` and ``dapo.models.tiny_calc`` fine-tune the model of ``dapo.models.tiny``,
 and none knows another's name here (the layering test refuses import circles in ``dapo``).
 """
 
@@ -10,16 +10,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dapo import gguf_import
-from dapo.tiny import BUILTIN_MODEL, ensure_tiny_model
-from dapo.tiny_calc import BUILTIN_CALC_MODEL, ensure_calc_model
-from dapo.tiny_long import BUILTIN_LONG_MODEL, ensure_long_model
+from dapo.models import gguf_import
+from dapo.models.tiny import BUILTIN_MODEL, ensure_tiny_model
+from dapo.models.tiny_calc import BUILTIN_CALC_MODEL, ensure_calc_model
+from dapo.models.tiny_long import BUILTIN_LONG_MODEL, ensure_long_model
 
 
 def resolve_model_path(cfg: Any) -> Path:
     """The model folder of a ``DapoConfig``: ``builtin:tiny`` -> the cached tiny model (built
     under ``cfg.run.cache_dir`` with ``cfg.run.seed``), ``builtin:tiny-long`` and ``builtin:tiny-calc`` -> its
-    long-task and calculator variants, a fetched built-in (``dapo.gguf_import.BUILTIN_GGUF``) -> its folder in the cache, else
+    long-task and calculator variants, a fetched built-in (``dapo.models.gguf_import.BUILTIN_GGUF``) -> its folder in the cache, else
     ``cfg.model.path`` itself. Fetching is ``dapo.launch.fetch.resolve_model_path``'s (it needs pip)."""
     path = cfg.model.path
     if path == BUILTIN_MODEL:

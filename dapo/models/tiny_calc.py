@@ -1,10 +1,10 @@
 """``builtin:tiny-calc`` (``BUILTIN_CALC_MODEL``): the embedded tiny model fine-tuned to use the
-calculator tool (``dapo.envs.Calculator``) on the calculator task (``dapo.task.make_calc_rows``)::
+calculator tool (``dapo.envs.Calculator``) on the calculator task (``dapo.tasks.addition.make_calc_rows``)::
 
     user: 37*48    assistant: <calc>37*48</calc><result>1776</result> Answer: 1776<|im_end|>
                               '-- model turn --''-- observation --''----- model turn -----'
 
-It starts from the default warm-started model (``dapo.tiny``) and fine-tunes it, supervised, on
+It starts from the default warm-started model (``dapo.models.tiny``) and fine-tunes it, supervised, on
 train-split transcripts, the loss on the model's turns only (the observation is the tool's, as in
 RL). Each segment is tokenised alone, as the actor does (an observation is appended to the tokens
 the model sampled, never re-tokenised with them). Two phases: *skill* on clean transcripts, then
@@ -25,13 +25,14 @@ import random
 from pathlib import Path
 from typing import Any
 
-from dapo import task, tiny
+from dapo.tasks import addition
+from dapo.models import tiny
 from dapo.envs import CALC_CLOSE, CALC_OPEN, Calculator, Episode
 
 log = logging.getLogger(__name__)
 
 BUILTIN_CALC_MODEL = "builtin:tiny-calc"
-"""``model.path`` of this model (``dapo.models.resolve_model_path``)."""
+"""``model.path`` of this model (``dapo.models.registry.resolve_model_path``)."""
 
 CALC_RECIPE: dict[str, Any] = {
     "version": 1,
@@ -74,7 +75,7 @@ def transcript(a: int, b: int, rng: random.Random, noise: dict[str, float] | Non
     else:
         expression = f"{a}*{b}"
     call = f"{CALC_OPEN}{expression}{CALC_CLOSE}"
-    step = Calculator().step(Episode(task.CALC_DATA_SOURCE, str(a * b), (call,), ended_by="stop"))
+    step = Calculator().step(Episode(addition.CALC_DATA_SOURCE, str(a * b), (call,), ended_by="stop"))
     value = guess if step.tool_failed else int(step.observation[len("<result>"):-len("</result>")])
     if rng.random() < noise.get("answer_error_prob", 0.0):
         value = _wrong(value, rng)
@@ -89,7 +90,7 @@ def _batch(tokenizer: Any, problems: list[tuple[int, int]], rng: random.Random,
     pad_id = tokenizer.convert_tokens_to_ids(tiny.PAD_TOKEN)
     seqs, masks = [], []
     for a, b in problems:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": task.calc_problem_text(a, b)}],
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": addition.calc_problem_text(a, b)}],
                                                add_generation_prompt=True, tokenize=False)
         ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         mask = [0.0] * len(ids)
@@ -115,7 +116,7 @@ def _fine_tune(model: Any, tokenizer: Any, seed: int) -> dict[str, float]:
     rng = random.Random(f"dapo-tiny-calc/{seed}")
     bs = CALC_RECIPE["batch_size"]
     # Every train problem, reshuffled each pass (the split has ~7,300; the recipe uses more).
-    pool = task.sample_calc_problems("train", 7000, seed=seed + 3_000_000)
+    pool = addition.sample_calc_problems("train", 7000, seed=seed + 3_000_000)
     problems = (pool[i] for _ in itertools.count() for i in rng.sample(range(len(pool)), len(pool)))
 
     def batches(noise: dict[str, float] | None):

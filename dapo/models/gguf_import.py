@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from dapo.tiny import build_once
+from dapo.models.tiny import build_once
 
 PROVENANCE_FILE = "dapo_provenance.json"
 """Written last into every converted folder: its presence marks the folder complete."""
@@ -208,7 +208,7 @@ def convert_gguf(gguf: Path, out: Path, *, source: dict[str, Any], progress: boo
         "gguf": gguf_summary(gguf),
         "conversion": {
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "converter": f"dapo.gguf_import v{CONVERTER_VERSION}", "saved_dtype": "float32",
+            "converter": f"dapo.models.gguf_import v{CONVERTER_VERSION}", "saved_dtype": "float32",
             "time_s": round(time.monotonic() - t0, 2),
             "tools": {t: importlib.metadata.version(t) for t in TOOLS},
             "python": sys.version.split()[0]},
