@@ -195,29 +195,8 @@ def main(argv: list[str] | None = None) -> int:
 
     progress = Progress(run_dir / "metrics.jsonl", cfg.learner.total_steps, cfg.run.progress_every_steps,
                         since_unix_s=started_unix_s)
-    t0 = time.monotonic()
-    startup_shown = False
     try:
-        while not stop.why:
-            progress.poll()
-            # This start's records only: a resumed run's metrics.jsonl holds its whole history.
-            ours = [r for r in progress.records if r.get("unix_time_s", 0) >= started_unix_s]
-            if not startup_shown and any("time/step_s" in r for r in ours):
-                startup_shown = True
-                progress.write(startup_breakdown(run_dir, ours, started_unix_s, spawned_unix_s))
-            if not learner.alive():
-                stop.why = f"learner exited ({learner.proc.returncode})"
-            elif cfg.run.max_wall_time_s and time.monotonic() - t0 > cfg.run.max_wall_time_s:
-                stop.why = f"run.max_wall_time_s={cfg.run.max_wall_time_s:g} reached"
-            elif cfg.run.stop_at_target and (progress.last("eval/accuracy") or 0) >= cfg.run.target_accuracy:
-                stop.why = f"eval/accuracy reached run.target_accuracy={cfg.run.target_accuracy}"
-            for actor in actors:
-                if not actor.alive() and not getattr(actor, "reported", False):
-                    actor.reported = True
-                    rc = actor.proc.returncode
-                    progress.write(f"dapo run: {actor.name} left the run (exit 0)" if rc == 0
-                                   else f"dapo run: {actor.name} exited ({rc}); see {actor.log_path}")
-            time.sleep(0.5)  # UI refresh period, not synchronisation
+        watch(stop, progress, learner, actors, cfg, started_unix_s, spawned_unix_s)
     finally:
         stop.stopping = True  # a Ctrl-C from here on (leaving, checkpoint, curves, export) stops at once
         # Actors first (they return their leases), all at once, then the learner (final checkpoint).
@@ -232,7 +211,46 @@ def main(argv: list[str] | None = None) -> int:
     if learner_rc not in (0, None) and not stop.why.startswith(("SIG", "run.", "eval/")):
         print(f"dapo run: the learner failed; the end of {learner.log_path}:\n{_error_tail(learner.log_path)}",
               file=sys.stderr)
-    return _finish(run_dir, progress.records, cfg, learner_rc, started_unix_s, stop)
+    actors_failed = stop.why.startswith(EVERY_ACTOR_FAILED)
+    if actors_failed:
+        print(f"dapo run: {actors[0].name}'s error ({actors[0].log_path}):\n{_actor_error(actors[0].log_path)}",
+              file=sys.stderr)
+    rc = _finish(run_dir, progress.records, cfg, learner_rc, started_unix_s, stop)
+    return 1 if actors_failed else rc
+
+
+EVERY_ACTOR_FAILED = "every actor failed"
+
+
+def watch(stop: StopRequests, progress: Progress, learner: Child, actors: list[Child], cfg: DapoConfig,
+          started_unix_s: float, spawned_unix_s: float) -> None:
+    """Show progress until something stops the run (``stop.why``): the learner's exit, a limit, the
+    target, a signal, or every actor failing (nobody is left to generate: the learner would wait for
+    batches until learner.batch_wait_timeout_s)."""
+    t0, startup_shown = time.monotonic(), False
+    while not stop.why:
+        progress.poll()
+        # This start's records only: a resumed run's metrics.jsonl holds its whole history.
+        ours = [r for r in progress.records if r.get("unix_time_s", 0) >= started_unix_s]
+        if not startup_shown and any("time/step_s" in r for r in ours):
+            startup_shown = True
+            progress.write(startup_breakdown(Path(cfg.run.run_dir), ours, started_unix_s, spawned_unix_s))
+        if not learner.alive():
+            stop.why = f"learner exited ({learner.proc.returncode})"
+        elif cfg.run.max_wall_time_s and time.monotonic() - t0 > cfg.run.max_wall_time_s:
+            stop.why = f"run.max_wall_time_s={cfg.run.max_wall_time_s:g} reached"
+        elif cfg.run.stop_at_target and (progress.last("eval/accuracy") or 0) >= cfg.run.target_accuracy:
+            stop.why = f"eval/accuracy reached run.target_accuracy={cfg.run.target_accuracy}"
+        for actor in actors:
+            if not actor.alive() and not getattr(actor, "reported", False):
+                actor.reported = True
+                rc = actor.proc.returncode
+                progress.write(f"dapo run: {actor.name} left the run (exit 0)" if rc == 0
+                               else f"dapo run: {actor.name} exited ({rc}); see {actor.log_path}")
+        failed = [a for a in actors if not a.alive() and a.proc.returncode != 0]
+        if actors and len(failed) == len(actors) and not stop.why:
+            stop.why = f"{EVERY_ACTOR_FAILED}: " + ", ".join(f"{a.name} exit {a.proc.returncode}" for a in failed)
+        time.sleep(0.5)  # UI refresh period, not synchronisation
 
 
 def prepare(overrides: list[str]) -> tuple[DapoConfig, Path]:
@@ -371,6 +389,13 @@ def startup_breakdown(run_dir: Path, records: list[dict], started_unix_s: float,
     return (f"dapo run: start-up: children started {at(spawned_unix_s)}, learner serving version 0 {at(ready)}, "
             f"first actor registered {at(min(registered, default=None))}, first lease generated {at(first_group)}, "
             f"first step trained {at(first_step)} (after `dapo run` started)")
+
+
+def _actor_error(log_path: Path) -> str:
+    """An actor's last ERROR line (actors/main.py logs one on every failure), else its last line."""
+    lines = log_path.read_text(errors="replace").splitlines() if log_path.exists() else []
+    errors = [ln for ln in lines if " ERROR " in ln]
+    return (errors or lines or ["(empty log)"])[-1]
 
 
 def _error_tail(log_path: Path, max_lines: int = 3) -> str:

@@ -220,3 +220,19 @@ def test_a_ctrl_c_during_the_export_stops_it_at_once_and_leaves_no_process(tmp_p
         assert "Traceback" not in run.text()
     finally:
         run.close()
+
+
+@pytest.mark.timeout(240)
+def test_dapo_run_stops_when_every_actor_failed_and_shows_the_actor_s_error(tmp_path, model_path):
+    """An actor that cannot serve the run (here its environment's constructor raises at the first
+    lease): dapo run stops at once, exit 1, with the actor's own error line, instead of leaving the
+    learner waiting for batches until learner.batch_wait_timeout_s (600 s)."""
+    cmd = Command(tmp_path / "run.log", "run", *small(model_path, tmp_path / "run"), "run.num_actors=1",
+                  "actor.env=tests.sample_envs:BrokenConfigEnv", "learner.batch_wait_timeout_s=600")
+    try:
+        assert cmd.exit_code(200) == 1
+    finally:
+        cmd.close()
+    text = cmd.text()
+    assert "dapo run: stopped: every actor failed: actor0 exit 3" in text, text[-3000:]
+    assert re.search(r"dapo run: actor0's error \(.*actor0\.log\):\n.* ERROR .*threshold must be an int", text), text[-3000:]
