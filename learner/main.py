@@ -19,7 +19,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from dapo import selection  # noqa: E402
-from dapo.config import DapoConfig, load_resolved  # noqa: E402
+from dapo.config import ConfigError, DapoConfig, load_resolved  # noqa: E402
 from learner import checkpoint, loop  # noqa: E402
 from learner.history import History, continue_history  # noqa: E402
 from learner.rank0 import Rank0Services, start_services  # noqa: E402
@@ -29,7 +29,11 @@ from learner.trainer import Trainer, TrainerSettings  # noqa: E402
 def main(argv: list[str]) -> int:
     die_with_parent()
     stop = loop.StopFlag()  # first thing: a stop requested during start-up is kept, not lost
-    cfg = read_config(argv)
+    try:
+        cfg = read_config(argv)
+    except ConfigError as exc:  # one line, as every entry point says a bad config (a missing token too)
+        print(f"learner: {exc}", file=sys.stderr, flush=True)
+        return 2
     torch.set_num_threads(learner_threads(cfg.learner.num_threads))
     device = torch.device("cuda" if cfg.learner.device == "cuda" or (
         cfg.learner.device == "auto" and torch.cuda.is_available()) else "cpu")

@@ -211,3 +211,24 @@ def test_the_actors_workers_inherit_an_allow_list_without_the_token(monkeypatch)
     assert not [k for k, v in env.items() if TOKEN in v or "secret" in v], env
     assert env["PATH"] == os.environ["PATH"] and env["LC_TIME"] == "C" and env["OMP_NUM_THREADS"] == "1"
     assert env["DAPO_VERIFIER_PARENT_PID"] == str(os.getpid())
+
+
+def test_a_learner_rank_without_the_run_s_token_says_so_in_one_line(tmp_path):
+    """The resolved config holds no token; a rank started without DAPO_TOKEN (or the token file)
+    exits 2 with the fix, not a traceback."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from dapo.config import load_config, save_resolved
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = load_config([f"run.run_dir={tmp_path / 'run'}", "transport.auth_token=0123456789abcdef"])
+    path = save_resolved(cfg)
+    env = {k: v for k, v in __import__("os").environ.items() if k != "DAPO_TOKEN"}
+    proc = subprocess.run([sys.executable, "-m", "learner.main", "--config", str(path)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "learner: transport.auth_token is <redacted> (a config dapo wrote holds no token): give the run's token as "
+        "DAPO_TOKEN=<token> in the environment or as transport.auth_token_file=FILE (chmod 600 FILE)"]
