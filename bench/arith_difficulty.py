@@ -9,7 +9,7 @@ on a jsonl this script writes.
     .venv/bin/python bench/arith_difficulty.py MODEL_DIR --per-kind 24        # each kind alone
     .venv/bin/python bench/arith_difficulty.py MODEL_DIR --mix 128            # the held-out split
 
-Prints the tables and writes ``--out`` (JSON: machine, command, date, per-prompt counts).
+Prints the tables and writes ``--out`` (JSON: command, machine, commit, date, per-prompt counts).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -25,11 +24,10 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import harness
 
-from dapo.tasks import arith  # noqa: E402
-from dapo.data import BUILTIN_EVAL_SEED  # noqa: E402
+from dapo.data import BUILTIN_EVAL_SEED
+from dapo.tasks import arith
 
 BANDS = ((0.0, 0.0), (0.01, 0.19), (0.2, 0.8), (0.81, 0.99), (1.0, 1.0))
 
@@ -56,7 +54,7 @@ def run_eval(model: str, rows: list[dict], k: int, max_tokens: int, out: Path) -
         cmd = [sys.executable, "-m", "actors.evaluate", model, str(data), "--k", str(k), "--top-p", "1.0",
                "--temperature", "1.0", "--max-response-tokens", str(max_tokens), "--dtype", "bfloat16",
                "--prompt-template", "chat", "--save-responses", "--out", str(out)]
-        subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        subprocess.run(cmd, cwd=harness.ROOT, check=True, env={**os.environ, "PYTHONPATH": str(harness.ROOT)})
     return json.loads(out.read_text())
 
 
@@ -98,8 +96,7 @@ def main() -> None:
     text, summary = table(rows, report, args.k)
     print(text)
     args.out.write_text(json.dumps({
-        "command": " ".join([sys.executable, *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": f"{platform.node()} {platform.processor() or platform.machine()} {os.cpu_count()} cpus",
+        "command": harness.command(), "date": harness.now(), "machine": harness.machine(), "commit": harness.commit(),
         "seconds": round(time.time() - t0, 1), "k": args.k, "max_response_tokens": args.max_response_tokens,
         "kinds": summary, "table": text}, indent=1) + "\n")
 

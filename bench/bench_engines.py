@@ -1,7 +1,7 @@
 """Rollout throughput of the two engines on the tiny model: vLLM vs the torch KV-cache engine.
 
     .venv/bin/python bench/bench_engines.py [--prompts 4 16] [--samples 8] [--max-tokens 48] [--reps 3]
-        [--append bench/RESULTS.md]
+        [--append bench/results/engines.md]
 
 Same prompts (built-in task, tiny model's tokenizer), same sampling settings, same process, one
 engine after the other. Tokens/s counts sampled response tokens (stop tokens included) over the
@@ -14,19 +14,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
-import sys
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import harness
 
-from dapo.runtime import apply_service_env  # noqa: E402
-
-apply_service_env()
+harness.service_env()
 
 
 def measure(engine, prompts, args, chunk_tokens=None) -> list[float]:
@@ -46,25 +39,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, nargs="+", default=[4, 16],
                         help="batch sizes to measure, in prompts (x G sequences)")
-    parser.add_argument("--samples", type=int, default=8, help="G, samples per prompt")
-    parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--chunk-tokens", type=int, default=8, help="in-flight chunk for the vLLM chunked row")
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--cache-dir", default=str(ROOT / ".cache" / "dapo"))
-    parser.add_argument("--append", help="append a Markdown section to this results file")
+    harness.add_tiny_generation_args(parser, max_tokens=48)
+    harness.add_append(parser)
     args = parser.parse_args()
 
     import torch
-    from transformers import AutoTokenizer
 
     from actors.engines import make_engine
-    from dapo.tasks import addition
-    from dapo.models.tiny import ensure_tiny_model, render_builtin_prompt
 
-    path = str(ensure_tiny_model(args.cache_dir, progress=False))
-    tok = AutoTokenizer.from_pretrained(path)
-    problems = addition.sample_problems("eval", max(args.prompts), seed=0)
-    prompts = [tok(render_builtin_prompt(tok, a, b))["input_ids"] for a, b in problems]
+    path, prompts = harness.tiny_model_prompts(args.cache_dir, max(args.prompts))
     rows: dict[tuple[int, str], list[float]] = {}
     for kind in ("torch", "vllm"):
         engine = make_engine(kind, path, dtype="float32", max_model_len_tokens=512, seed=0)
@@ -79,21 +63,13 @@ def main() -> None:
     lines = [f"| {size} x {args.samples} | {name} | {max(v):.0f} / {statistics.median(v):.0f} | "
              f"{statistics.median(v) / statistics.median(rows[size, 'torch']):.2f} |"
              for (size, name), v in sorted(rows.items(), key=lambda kv: kv[0][0])]
-    command = "`.venv/bin/python bench/bench_engines.py " + " ".join(sys.argv[1:]) + "`"
-    load = os.getloadavg()[0]
-    section = "\n".join([
-        "", "## Engine rollout throughput (bench/bench_engines.py)", "",
-        f"{command} — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.node()}, {os.cpu_count()} CPUs "
-        f"(load average {load:.1f} at the end: other jobs shared the cores), torch {torch.__version__}, "
-        f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}. Tiny model, built-in prompts x "
-        f"G={args.samples} samples, max {args.max_tokens} tokens, T=1.0, float32; tokens/s of sampled tokens, "
-        f"best / median of {args.reps}; ratio = median / median of the torch engine at the same batch "
-        "size in the same run.", "",
-        "| prompts x G | engine | tokens/s | ratio |", "|---|---|---|---|", *lines, ""])
-    print(section)
-    if args.append:
-        with open(args.append, "a") as f:
-            f.write(section)
+    notes = (f"torch {torch.__version__}, OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}. Tiny model, built-in "
+             f"prompts x G={args.samples} samples, max {args.max_tokens} tokens, T=1.0, float32; tokens/s of sampled "
+             f"tokens, best / median of {args.reps}; ratio = median / median of the torch engine at the same batch "
+             "size in the same run.")
+    table = "\n".join(["| prompts x G | engine | tokens/s | ratio |", "|---|---|---|---|", *lines])
+    harness.emit(harness.section("Engine rollout throughput (bench/bench_engines.py)", table, notes=notes),
+                 args.append)
 
 
 if __name__ == "__main__":

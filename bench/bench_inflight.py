@@ -1,7 +1,7 @@
 """What in-flight weight updates cost vLLM: keeping the KV cache vs re-prefilling, on the tiny model.
 
     .venv/bin/python bench/bench_inflight.py [--prompts 4] [--samples 8] [--max-tokens 256]
-        [--every 8] [--reps 3] [--append bench/RESULTS.md]
+        [--every 8] [--reps 3] [--append bench/results/inflight_kv.md]
 
 Three modes, the same engine, prompts and sampling settings, in one process, interleaved per
 repeat (after one warm-up call of each):
@@ -22,20 +22,12 @@ time spent inside ``load_weights``.
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
-import sys
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import harness
 
-from dapo.runtime import apply_service_env  # noqa: E402
-
-apply_service_env()
+harness.service_env()
 
 MODES = ("none", "kv-kept", "reprefill")
 
@@ -64,25 +56,17 @@ def once(engine, state, prompts, args, mode: str) -> tuple[float, float, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--samples", type=int, default=8, help="G, samples per prompt")
-    parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--every", type=int, default=8, help="steps (kv-kept) or tokens (reprefill) between loads")
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--cache-dir", default=str(ROOT / ".cache" / "dapo"))
-    parser.add_argument("--append", help="append a Markdown section to this results file")
+    harness.add_tiny_generation_args(parser, max_tokens=256)
+    harness.add_append(parser)
     args = parser.parse_args()
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from actors.engines.vllm_engine import VllmEngine
-    from dapo.tasks import addition
-    from dapo.models.tiny import ensure_tiny_model, render_builtin_prompt
 
-    path = str(ensure_tiny_model(args.cache_dir, progress=False))
-    tok = AutoTokenizer.from_pretrained(path)
-    prompts = [tok(render_builtin_prompt(tok, a, b))["input_ids"]
-               for a, b in addition.sample_problems("eval", args.prompts, seed=0)]
+    path, prompts = harness.tiny_model_prompts(args.cache_dir, args.prompts)
     state = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
     engine = VllmEngine(path, dtype="float32", max_model_len_tokens=max(map(len, prompts)) + args.max_tokens, seed=0)
     # Every response runs to --max-tokens, so that the modes decode the same lengths: no stop ids
@@ -104,20 +88,14 @@ def main() -> None:
     lines = [f"| {mode} | {rs[0][2]} | " + ", ".join(f"{r[0]:.0f}" for r in rs)
              + f" | {statistics.median(r[0] for r in rs) / base:.2f} | " + ", ".join(f"{r[1]:.0f}" for r in rs) + " |"
              for mode, rs in rows.items()]
-    command = "`OMP_NUM_THREADS=1 .venv/bin/python bench/bench_inflight.py " + " ".join(sys.argv[1:]) + "`"
-    section = "\n".join([
-        "", "## In-flight updates that keep the KV cache (bench/bench_inflight.py)", "",
-        f"{command} — {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.node()}, {os.cpu_count()} CPUs "
-        f"(load average {os.getloadavg()[0]:.1f} at the end), torch {torch.__version__}. vLLM, tiny model, "
-        f"{args.prompts} built-in prompts x G={args.samples}, {args.max_tokens}-token responses, T=1.0, float32; "
-        f"a weight load every {args.every} steps (kv-kept) or {args.every} tokens (reprefill); modes interleaved, "
-        f"{args.reps} repeats in the same run. ratio = median tokens/s over that of `none`.", "",
-        "| mode | loads per call | tokens/s (each repeat) | ratio | tokens/s without load time |",
-        "|---|---|---|---|---|", *lines, ""])
-    print(section)
-    if args.append:
-        with open(args.append, "a") as f:
-            f.write(section)
+    notes = (f"torch {torch.__version__}. vLLM, tiny model, {args.prompts} built-in prompts x G={args.samples}, "
+             f"{args.max_tokens}-token responses, T=1.0, float32; a weight load every {args.every} steps (kv-kept) or "
+             f"{args.every} tokens (reprefill); modes interleaved, {args.reps} repeats in the same run. ratio = median "
+             "tokens/s over that of `none`.")
+    table = "\n".join(["| mode | loads per call | tokens/s (each repeat) | ratio | tokens/s without load time |",
+                       "|---|---|---|---|---|", *lines])
+    harness.emit(harness.section("In-flight updates that keep the KV cache (bench/bench_inflight.py)", table,
+                                 notes=notes), args.append)
 
 
 if __name__ == "__main__":

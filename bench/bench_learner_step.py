@@ -26,16 +26,13 @@ sampler-learner log-prob mismatch (train/sampler_prox_abs_logp_diff, train/sampl
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+import harness
+
+harness.one_thread()
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -138,13 +135,14 @@ def main() -> None:
     ap.add_argument("--sampled", action="store_true",
                     help="responses sampled from the model (fp32, the built-in task's prompts) instead of random "
                          "tokens; prints each mode's sampler-learner mismatch")
+    harness.add_append(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from dapo.models.tiny import ensure_tiny_model
 
-    path = args.model or ensure_tiny_model(ROOT / ".cache" / "dapo")
+    path = args.model or ensure_tiny_model(harness.CACHE_DIR)
     dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/pg", rank=0, world_size=1)
     alg = AlgorithmConfig(num_prompts_per_step=args.prompts, num_samples_per_prompt=args.samples)
 
@@ -180,18 +178,21 @@ def main() -> None:
                 cpu[name].append(c1 - c0)
                 wall[name].append(w1 - w0)
     params = sum(p.numel() for p in first.model.parameters())
-    print(f"{path} ({params:,} parameters); {args.prompts} x {args.samples} samples, {tokens} tokens, "
-          f"{shard.num_minibatches} mini-batches; median of {args.steps} steps after {args.warmup}; "
-          f"load average {os.getloadavg()[0]:.2f}")
+    notes = (f"{path} ({params:,} parameters); {args.prompts} x {args.samples} samples, {tokens} tokens, "
+             f"{shard.num_minibatches} mini-batches, {args.threads} thread(s); median of {args.steps} steps after "
+             f"{args.warmup}.")
     base = statistics.median(cpu[next(iter(trainers))])
-    print(f"{'mode, compute dtype':44s} {'CPU s':>8s} {'wall s':>8s} {'CPU / first':>11s}")
+    lines = ["| mode, compute dtype | CPU s | wall s | CPU / first |", "|---|---|---|---|"]
     for name in trainers:
         c, w = statistics.median(cpu[name]), statistics.median(wall[name])
-        print(f"{name:44s} {c:8.3f} {w:8.3f} {c / base:11.3f}")
+        lines.append(f"| {name} | {c:.3f} | {w:.3f} | {c / base:.3f} |")
     if args.sampled:
-        print(f"{'sampler (fp32 HF) vs learner, first step':44s} {'|Δ log p|':>10s} {'KL k3':>10s} (per token, nats)")
-        for name, m in mismatch.items():
-            print(f"{name:44s} {m['train/sampler_prox_abs_logp_diff']:10.2e} {m['train/sampler_prox_kl_k3']:10.2e}")
+        lines += ["", "| sampler (fp32 HF) vs learner, first step, per token | abs log p diff (nats) | KL k3 (nats) |",
+                  "|---|---|---|"]
+        lines += [f"| {name} | {m['train/sampler_prox_abs_logp_diff']:.2e} | {m['train/sampler_prox_kl_k3']:.2e} |"
+                  for name, m in mismatch.items()]
+    harness.emit(harness.section("One learner step (bench/bench_learner_step.py)", "\n".join(lines), notes=notes),
+                 args.append)
     dist.destroy_process_group()
 
 

@@ -21,17 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+import harness
+
+harness.one_thread()
 
 SUM_KEYS = ("loss", "tokens", "entropy", "clipfrac_high", "clipfrac_low", "dualclip_frac", "approx_kl_k1",
             "approx_kl_k3", "importance_weight_mean", "sampler_prox_abs_logp_diff", "sampler_prox_kl_k3")
@@ -135,8 +133,8 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args)), flush=True)
         return
-    print(f"# {platform.node()} {platform.machine()} {os.cpu_count()} CPUs, OMP_NUM_THREADS="
-          f"{os.environ['OMP_NUM_THREADS']}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", flush=True)
+    print(harness.provenance(), f"\nOMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']}; one JSON line per variant:",
+          flush=True)
     for chunk in args.chunks:
         print(json.dumps(run_variant(args, chunk)), flush=True)
 

@@ -4,7 +4,7 @@ learner steps; and TRL's GRPOTrainer on the same task (``--trl``).
 
     .venv/bin/python bench/bench_long_response.py                 # k = 0 1 2 4, 3 modes, seed 0: ~10 min
     .venv/bin/python bench/bench_long_response.py --steps 4 --ks 1 --trl --trl-steps 3   # a smoke run
-    .venv/bin/python bench/bench_long_response.py --seeds 0 1 2 --trl --png bench/long_response.png
+    .venv/bin/python bench/bench_long_response.py --seeds 0 1 2 --trl --png bench/results/long_response.png
     .venv/bin/python bench/bench_long_response.py --trl-tune --seeds 0   # the peer's speed knobs only
 
 Modes (``--modes``): ``between_batches`` (weights load between generate calls), ``inflight``
@@ -60,19 +60,16 @@ import os
 import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import harness
 
-from bench.peer_trl import choose, knob_grid, run_peer, tune, tune_table, tuned  # noqa: E402
-from dapo.plots import read_metrics  # noqa: E402
+from bench.peer_trl import choose, knob_grid, run_peer, tune, tune_table, tuned
+from dapo.plots import read_metrics
 
 MODES = {"between_batches": ["actor.update_mode=between_batches"],
          "inflight": ["actor.update_mode=inflight", "actor.inflight_reprefill=false"],
@@ -113,17 +110,15 @@ def run_one(work: Path, name: str, mode: str, k: int, seed: int, steps: int, ext
     taken as each training step's record appeared (by step)."""
     run_dir = work / name
     port = free_port()
-    argv = [str(Path(sys.executable).with_name("dapo")), "run", "experiment=long_response", f"run.run_dir={run_dir}",
-            f"learner.total_steps={steps}", f"algorithm.max_staleness_steps={k}", *MODES[mode],
-            f"learner.seed={seed}", f"actor.seed={seed}", f"actor.prometheus_port={port}",
-            "learner.eval_every_steps=0", f"learner.checkpoint_every_steps={steps + 1}",
-            "transport.grpc_port=0", "transport.zmq_port=0", "weights.side_channel_port=0",
-            "weights.collective_port=0", *extra]
+    argv = harness.dapo_run_argv(
+        ["experiment=long_response", f"learner.total_steps={steps}", f"algorithm.max_staleness_steps={k}",
+         *MODES[mode], f"learner.seed={seed}", f"actor.seed={seed}", f"actor.prometheus_port={port}",
+         "learner.eval_every_steps=0", f"learner.checkpoint_every_steps={steps + 1}"], run_dir, extra)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     readings: dict[int, dict[str, float]] = {}
     metrics, offset, partial = run_dir / "metrics.jsonl", 0, ""
     with open(work / f"{name}.stderr", "w") as err:
-        proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT)
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err, cwd=harness.ROOT)
         try:
             while proc.poll() is None:
                 time.sleep(POLL_S)  # a sampling period: the reading is taken when a record is seen
@@ -318,7 +313,7 @@ def main() -> None:
     parser.add_argument("--trl-steps", type=int, default=None, help="TRL batches per run (default: --steps)")
     parser.add_argument("--work", type=Path, default=None, help="folder for the runs (default: a temp folder)")
     parser.add_argument("--png", type=Path, default=None)
-    parser.add_argument("--append", type=Path, default=None, help="append the table to this markdown file")
+    harness.add_append(parser)
     parser.add_argument("--override", action="append", default=[], help="extra `dapo run` override")
     parser.add_argument("--trl-tune", action="store_true",
                         help="instead of the benchmark: the peer alone over fp32 / bf16 x checkpointing x 1 / 2 "
@@ -328,15 +323,10 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="bench-long-"))
     work.mkdir(parents=True, exist_ok=True)
     if args.trl_tune:
-        started = datetime.now(timezone.utc)
         tuned = run_trl_tune(work, args.seeds, trl_steps)
-        text = (f"`.venv/bin/python bench/bench_long_response.py {' '.join(sys.argv[1:])}` — "
-                f"{started:%Y-%m-%d %H:%M} UTC, {socket.gethostname()}, {os.cpu_count()} CPUs\n\n{tuned}")
-        print(text)
+        harness.emit(harness.section("The peer tuned on experiment=long_response (bench/bench_long_response.py)",
+                                     tuned), args.append)
         print(f"runs in {work}")
-        if args.append:
-            with args.append.open("a") as f:
-                f.write(f"\n{text}")
         return
     if min(args.steps, trl_steps) < args.skip_steps + 2:
         parser.error(f"--steps must be >= --skip-steps + 2 = {args.skip_steps + 2} (two steady-state records)")
@@ -345,7 +335,7 @@ def main() -> None:
     if any(o.startswith("run.num_actors=") for o in args.override):
         parser.error("one actor only: the harness reads its counters on one Prometheus port")
     rows = []
-    started, load_before = time.time(), os.getloadavg()
+    started, load_before = time.time(), harness.load_average()
     for seed in args.seeds:
         for mode in args.modes:
             for k in args.ks:
@@ -355,19 +345,13 @@ def main() -> None:
         if args.trl:
             rows.append({"mode": "trl", "k": None, "seed": seed, **run_trl(work, seed, trl_steps, args.skip_steps)})
             print(json.dumps(rows[-1]), flush=True)
-    load_after = os.getloadavg()
-    text = (f"`OMP_NUM_THREADS=1 .venv/bin/python bench/bench_long_response.py {' '.join(sys.argv[1:])}` — "
-            f"{datetime.fromtimestamp(started, timezone.utc):%Y-%m-%d %H:%M} UTC, {socket.gethostname()}, "
-            f"{os.cpu_count()} CPUs, {time.time() - started:.0f} s, load average (1/5/15 min) "
-            f"{'/'.join(f'{x:.1f}' for x in load_before)} before, {'/'.join(f'{x:.1f}' for x in load_after)} after\n\n"
-            + table(rows) + "\n" + goals(rows) + "\n")
-    print(text)
-    print(f"runs in {work}")
+    notes = f"{time.time() - started:.0f} s; load average (1 / 5 / 15 min) {load_before} before."
     if args.png:
         plot(rows, args.png)
-    if args.append:
-        with args.append.open("a") as f:
-            f.write(f"\n{text}")
+        notes += f" Plot: [{args.png.name}]({args.png.name})."
+    harness.emit(harness.section("Generation-heavy regime: experiment=long_response (bench/bench_long_response.py)",
+                                 table(rows) + "\n" + goals(rows), notes=notes), args.append)
+    print(f"runs in {work}")
 
 
 if __name__ == "__main__":

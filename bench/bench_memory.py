@@ -1,10 +1,10 @@
 """Memory over a long run: RSS of every process of ``dapo run`` (learner rank, its evaluation process,
 actors, verifier workers) sampled while it trains, against the learner's step.
 
-    .venv/bin/python bench/bench_memory.py --steps 1000 [--out bench/memory.png] [overrides ...]
-    .venv/bin/python bench/bench_memory.py --steps 200 --out bench/memory_smollm2.png experiment=smollm2_arith
+    .venv/bin/python bench/bench_memory.py --steps 1000 [--out bench/results/memory.png] [overrides ...]
+    .venv/bin/python bench/bench_memory.py --steps 200 --out bench/results/memory_smollm2_200.png experiment=smollm2_arith
 
-Runs ``dapo run`` with ``learner.total_steps=STEPS`` (and ``run.stop_at_target=false``), samples each
+Runs ``dapo run`` with ``learner.total_steps=STEPS`` (and ``run.stop_at_target=false``, ports 0), samples each
 process's RSS every ``--every-s`` seconds with psutil, and maps each sample to the step the learner
 had logged by then (metrics.jsonl); samples after the last step (export, shutdown) are left out.
 Prints a markdown table (RSS at the end of warm-up, at the last step, and the growth per 100 steps
@@ -18,17 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
-import sys
 import textwrap
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+import harness
 import psutil
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def role(p: psutil.Process) -> str | None:
@@ -136,35 +133,34 @@ def main() -> None:
     ap.add_argument("--warmup-steps", type=int, default=0, help="default: 10 %% of --steps")
     ap.add_argument("--every-s", type=float, default=0.5)
     ap.add_argument("--run-dir", default="runs/bench-memory")
-    ap.add_argument("--out", default="bench/memory.png")
+    ap.add_argument("--out", default="bench/results/memory.png")
     ap.add_argument("--replot", metavar="SAMPLES.jsonl",
                     help="no run: the table and plot again from the samples an earlier run wrote beside its plot")
     ap.add_argument("overrides", nargs="*")
+    harness.add_append(ap)
     args = ap.parse_args()
     warmup = args.warmup_steps or max(1, args.steps // 10)
     shown = " ".join(["bench/bench_memory.py", f"--steps {args.steps}", *args.overrides])
     if args.replot:
         rows = [json.loads(line) for line in Path(args.replot).read_text().splitlines()]
         written = datetime.fromtimestamp(Path(args.replot).stat().st_mtime, timezone.utc)
-        title, header = f"{shown}\nsamples {Path(args.replot).name}, written {written:%Y-%m-%d %H:%M} UTC", ""
+        title, notes = f"{shown}\nsamples {Path(args.replot).name}, written {written:%Y-%m-%d %H:%M} UTC", ""
     else:
         run_dir = Path(args.run_dir)
-        cmd = [sys.executable, "-m", "dapo.cli", "run", f"learner.total_steps={args.steps}",
-               "run.stop_at_target=false", f"run.run_dir={run_dir}", *args.overrides]
+        cmd = harness.dapo_run_argv([f"learner.total_steps={args.steps}", "run.stop_at_target=false"], run_dir,
+                                    args.overrides)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        started = datetime.now(timezone.utc)
         t0 = time.monotonic()
-        run = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        run = subprocess.Popen(cmd, cwd=harness.ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         rows = sample(run, run_dir / "metrics.jsonl", args.every_s)
         wall = time.monotonic() - t0
-        title = f"{shown}\n{started:%Y-%m-%d %H:%M} UTC, {platform.node()}, {os.cpu_count()} CPUs, exit {run.returncode}"
+        title = f"{shown}\n{harness.STARTED:%Y-%m-%d %H:%M} UTC, {harness.machine()}, exit {run.returncode}"
         Path(args.out).with_suffix(".jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        header = (f"`.venv/bin/python {shown}` — {started:%Y-%m-%d %H:%M} UTC, {os.cpu_count()} CPUs, "
-                  f"{wall:.0f} s wall, exit {run.returncode}, {latest_step(run_dir / 'metrics.jsonl')} steps; "
-                  f"warm-up = the first {warmup} steps; plot {args.out}\n\n")
+        notes = (f"{wall:.0f} s wall, exit {run.returncode}, {latest_step(run_dir / 'metrics.jsonl')} steps; "
+                 f"warm-up = the first {warmup} steps; plot [{Path(args.out).name}]({Path(args.out).name})")
     table, curves = summarise(rows, args.steps, warmup)
     plot(curves, Path(args.out), title)
-    print(header + table)
+    harness.emit(harness.section("Memory over a long run (bench/bench_memory.py)", table, notes=notes), args.append)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Learner tokens/s: sequence packing (learner.batch + Trainer) vs padded micro-batches, same batch.
 
     .venv/bin/python bench/bench_packing.py [--seqs 64] [--min-len 16] [--max-len 400] [--reps 3]
-        [--append bench/RESULTS.md]
+        [--append bench/results/packing.md]
 
 One CPU rank (gloo, world size 1), the embedded tiny architecture (random init), a DAPO loss
 forward+backward over the whole batch. Tokens/s counts real (non-padding) tokens.
@@ -13,18 +13,13 @@ forward+backward over the whole batch. Tokens/s counts real (non-padding) tokens
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
-import sys
 import tempfile
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+import harness
+
+harness.one_thread()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -87,7 +82,7 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=4096, help="packed tokens per micro-batch")
     ap.add_argument("--padded-seqs", type=int, default=8, help="sequences per padded micro-batch")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--append", default="")
+    harness.add_append(ap)
     args = ap.parse_args()
     torch.set_num_threads(1)
     from dapo.models.tiny import build_model, build_tokenizer
@@ -125,16 +120,11 @@ def main() -> None:
            f"| {med['packed'] / med['padded']:.2f} / {med['packed'] / med['padded_arrival']:.2f} |")
     table = ("| batch | packed tokens/s | padded, length-sorted tokens/s | padded, arrival order tokens/s "
              "| speed-up vs sorted / arrival |\n|---|---|---|---|---|\n" + row)
-    print(table)
-    if args.append:
-        with open(args.append, "a") as f:
-            f.write(f"\n## Learner packing vs padding (bench/bench_packing.py)\n\n"
-                    f"`.venv/bin/python bench/bench_packing.py {' '.join(sys.argv[1:])}` — "
-                    f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.node()}, {os.cpu_count()} CPUs, "
-                    f"1 rank, 1 thread, tiny Qwen2 ({sum(p.numel() for p in model.parameters())} params), "
-                    f"DAPO loss forward+backward of the whole batch; tokens/s of real tokens, best / median of "
-                    f"{args.reps}; packed budget {args.budget} tokens/row, padded {args.padded_seqs} "
-                    f"sequences/micro-batch (length-sorted).\n\n{table}\n")
+    notes = (f"1 rank, 1 thread, tiny Qwen2 ({sum(p.numel() for p in model.parameters())} params), DAPO loss "
+             f"forward+backward of the whole batch; tokens/s of real tokens, best / median of {args.reps}; packed "
+             f"budget {args.budget} tokens/row, padded {args.padded_seqs} sequences/micro-batch (length-sorted).")
+    harness.emit(harness.section("Learner packing vs padding (bench/bench_packing.py)", table, notes=notes),
+                 args.append)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Replay-queue ingestion rate vs raw ZMQ PUSH/PULL of the same bytes, in the same run.
 
-    .venv/bin/python bench/bench_queue.py [--groups 1500] [--reps 3] [--append bench/RESULTS.md]
+    .venv/bin/python bench/bench_queue.py [--groups 1500] [--reps 3] [--append bench/results/queue.md]
 
 A sender process (the "actor") pushes pre-encoded trajectory groups (dapo.wire frames, one
 lease each) as fast as it can. Two receivers, alternating per repetition:
@@ -16,10 +16,8 @@ default G=8 x 48 tokens (per-message overhead dominates there).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -28,9 +26,9 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+import harness
+
+harness.one_thread()
 
 import numpy as np  # noqa: E402
 import zmq  # noqa: E402
@@ -77,7 +75,7 @@ def start_sender(spec: dict, endpoint: str, tmp: Path) -> tuple[subprocess.Popen
     path = tmp / "spec.json"
     path.write_text(json.dumps(spec))
     proc = subprocess.Popen([sys.executable, __file__, "--role", "sender", "--spec", str(path), "--endpoint", endpoint],
-                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(harness.ROOT)})
     return proc, path
 
 
@@ -171,7 +169,7 @@ def main() -> int:
     p.add_argument("--groups", type=int, default=1536, help="groups per repetition (a multiple of --batch-groups)")
     p.add_argument("--batch-groups", type=int, default=32, help="N: groups per get_batch of the consumer")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--append", default="", help="append a results section to this markdown file")
+    harness.add_append(p)
     args = p.parse_args()
     if args.role == "sender":
         sender(args.spec, args.endpoint)
@@ -198,35 +196,26 @@ def main() -> int:
                    "load_avg_1m": os.getloadavg()[0]}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    if args.append:
-        append_results(Path(args.append), args, rows)
+    harness.emit(result(args, rows), args.append)
     return 0
 
 
-def append_results(path: Path, args: argparse.Namespace, rows: list[dict]) -> None:
-    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    cmd = (f".venv/bin/python bench/bench_queue.py --groups {args.groups} --batch-groups {args.batch_groups} "
-           f"--reps {args.reps} --append {args.append}")
+def result(args: argparse.Namespace, rows: list[dict]) -> str:
     load = ", ".join(f"{r['load_avg_1m']:.1f}" for r in rows)
-    lines = [
-        "", "## Replay-queue ingestion (bench/bench_queue.py)", "",
-        f"`{cmd}` — {now}, {platform.node()}, {os.cpu_count()} CPUs ({platform.machine()}), "
-        f"pyzmq {zmq.__version__} / libzmq {zmq.zmq_version()}; 1-min load average during the runs: {load} "
-        "(other jobs shared the machine). Median of the reps, raw and queue interleaved; MB = 1e6 bytes; one "
-        "sender process, receiver in the bench process; time from the sender's first send to the last group "
-        "handled. queue = PULL + decode/validate + lease completion + dynamic-sampling filter, with a consumer "
-        f"thread taking batches of {args.batch_groups} groups via get_batch (staleness check, mark trained); "
-        "raw = recv_multipart of the same bytes. ratio = queue rate / raw rate (goal >= 0.5). CPU = receiving "
-        "thread's CPU time per group (less sensitive to the machine's load than wall time).",
-        "", "| shape | MB/group | raw groups/s | raw MB/s | queue groups/s | queue MB/s | ratio | raw CPU us/group "
-        "| queue CPU us/group |", "|---|---|---|---|---|---|---|---|---|",
-    ]
+    notes = (f"pyzmq {zmq.__version__} / libzmq {zmq.zmq_version()}; 1-min load average during the runs: {load}. "
+             "Median of the reps, raw and queue interleaved; MB = 1e6 bytes; one sender process, receiver in the "
+             "bench process; time from the sender's first send to the last group handled. queue = PULL + "
+             "decode/validate + lease completion + dynamic-sampling filter, with a consumer thread taking batches of "
+             f"{args.batch_groups} groups via get_batch (staleness check, mark trained); raw = recv_multipart of the "
+             "same bytes. ratio = queue rate / raw rate (goal >= 0.5). CPU = receiving thread's CPU time per group "
+             "(less sensitive to the machine's load than wall time).")
+    lines = ["| shape | MB/group | raw groups/s | raw MB/s | queue groups/s | queue MB/s | ratio | raw CPU us/group "
+             "| queue CPU us/group |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['mb_per_group']:.3f} | {r['raw_groups_s']:.0f} | {r['raw_mb_s']:.0f} | "
                      f"{r['queue_groups_s']:.0f} | {r['queue_mb_s']:.0f} | {r['ratio']:.2f} | "
                      f"{r['raw_cpu_us_per_group']:.0f} | {r['queue_cpu_us_per_group']:.0f} |")
-    with path.open("a") as f:
-        f.write("\n".join(lines) + "\n")
+    return harness.section("Replay-queue ingestion (bench/bench_queue.py)", "\n".join(lines), notes=notes)
 
 
 if __name__ == "__main__":

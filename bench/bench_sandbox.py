@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import platform
+import os
 import statistics
 import subprocess
 import sys
@@ -25,11 +25,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import harness
 
-from actors import code_env, sandbox  # noqa: E402
-from dapo.tasks import coding  # noqa: E402
+from actors import code_env, sandbox
+from dapo.tasks import coding
 
 OLD_COMMIT = "a20b13b"
 """The last commit with the audit-hook sandbox."""
@@ -38,7 +37,7 @@ OLD_TESTS = "assert add_n(0) == 7\nassert add_n(3) == 10\nassert add_n(-5) == 2\
 
 
 def load_old_sandbox():
-    source = subprocess.run(["git", "-C", str(ROOT), "show", f"{OLD_COMMIT}:actors/sandbox.py"], check=True,
+    source = subprocess.run(["git", "-C", str(harness.ROOT), "show", f"{OLD_COMMIT}:actors/sandbox.py"], check=True,
                             capture_output=True, text=True).stdout
     path = Path(tempfile.mkdtemp()) / "old_sandbox.py"
     path.write_text(source)
@@ -72,6 +71,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=40, help="calls of each runner and workload per round")
+    harness.add_append(parser)
     args = parser.parse_args()
     table = runners(load_old_sandbox())
     times: dict[tuple[str, str], list[float]] = {(r, w): [] for r in table for w in table[r]}
@@ -85,19 +85,17 @@ def main() -> None:
                     fn()
                     times[runner, workload].append(time.perf_counter() - start)
     sandbox.set_isolation("bwrap")
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.machine())
-    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {cpu}, {args.rounds} x {args.calls} calls, "
-          f"uid {__import__('os').geteuid()}")
-    print("| workload | runner | median ms | p90 ms | median / hook |")
-    print("|---|---|---|---|---|")
+    lines = ["| workload | runner | median ms | p90 ms | median / hook |", "|---|---|---|---|---|"]
     for workload in ("pass", "grade"):
         hook = statistics.median(times["hook", workload])
         for runner in table:
             t = sorted(times[runner, workload])
             median = statistics.median(t)
-            print(f"| {workload} | {runner} | {median * 1e3:.1f} | {t[int(0.9 * (len(t) - 1))] * 1e3:.1f} | "
-                  f"{median / hook:.2f} |")
+            lines.append(f"| {workload} | {runner} | {median * 1e3:.1f} | {t[int(0.9 * (len(t) - 1))] * 1e3:.1f} | "
+                         f"{median / hook:.2f} |")
+    notes = f"{args.rounds} rounds x {args.calls} calls of each runner and workload, interleaved; uid {os.geteuid()}."
+    harness.emit(harness.section("The code sandbox: cost per call (bench/bench_sandbox.py)", "\n".join(lines),
+                                 notes=notes), args.append)
 
 
 if __name__ == "__main__":

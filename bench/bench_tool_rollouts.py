@@ -23,13 +23,16 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+try:  # a script: bench/ is sys.path[0]; the actor's environment workers import bench.bench_tool_rollouts
+    import harness
+except ModuleNotFoundError:
+    from bench import harness
+
 from dapo.envs import Calculator, Episode, Step
 
-ROOT = Path(__file__).resolve().parents[1]
 DELAY_ENV = "DAPO_BENCH_TOOL_S"
 
 
@@ -45,14 +48,13 @@ class SlowCalculator(Calculator):
 
 def one_run(work: Path, k: int, tool_ms: float, seed: int, steps: int, skip: int, workers: int) -> dict:
     run_dir = work / f"k{k}-tool{tool_ms:g}ms-w{workers}-seed{seed}"
-    cmd = [sys.executable, "-m", "dapo.cli", "run", "experiment=calc_tool", f"run.run_dir={run_dir}",
-           f"algorithm.max_staleness_steps={k}", f"learner.total_steps={steps}", "learner.eval_every_steps=0",
-           f"learner.seed={seed}", f"actor.seed={seed}", "actor.env=bench.bench_tool_rollouts:SlowCalculator", f"actor.env_workers={workers}",
-           "transport.grpc_port=0", "transport.zmq_port=0", "weights.side_channel_port=0",
-           "weights.collective_port=0"]
-    env = {**os.environ, DELAY_ENV: str(tool_ms / 1000), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = harness.dapo_run_argv(["experiment=calc_tool", f"algorithm.max_staleness_steps={k}",
+                                 f"learner.total_steps={steps}", "learner.eval_every_steps=0", f"learner.seed={seed}",
+                                 f"actor.seed={seed}", "actor.env=bench.bench_tool_rollouts:SlowCalculator",
+                                 f"actor.env_workers={workers}"], run_dir)
+    env = {**os.environ, DELAY_ENV: str(tool_ms / 1000), "OMP_NUM_THREADS": "1", "PYTHONPATH": str(harness.ROOT)}
     with open(work / f"{run_dir.name}.log", "w") as log:
-        subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=900)
+        subprocess.run(cmd, cwd=harness.ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True, timeout=900)
     metrics = [json.loads(line) for line in open(run_dir / "metrics.jsonl") if line.strip()]
     trained = [m for m in metrics if m.get("step", 0) > skip and "train/num_samples" in m]
     t0, t1 = trained[0]["unix_time_s"], trained[-1]["unix_time_s"]
@@ -74,6 +76,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="learner steps a run")
     parser.add_argument("--skip-steps", type=int, default=5, help="start-up steps left out of the rates")
     parser.add_argument("--work", type=Path, default=Path("/tmp/dapo-bench-tools"))
+    harness.add_append(parser)
     args = parser.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -83,11 +86,14 @@ def main() -> None:
                 for k in args.ks:
                     rows.append(one_run(args.work, k, tool_ms, seed, args.steps, args.skip_steps, workers))
                     print(json.dumps(rows[-1]), flush=True)
-    print("| tool delay | env workers | k | seed | episodes/s | tokens/s | learner steps/s | learner idle |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['tool_ms']:g} ms | {r['workers']} | {r['k']} | {r['seed']} | {r['episodes_per_s']:.0f} | {r['tokens_per_s']:.0f} | "
-              f"{r['steps_per_s']:.2f} | {r['learner_idle']:.2f} |")
+    lines = ["| tool delay | env workers | k | seed | episodes/s | tokens/s | learner steps/s | learner idle |",
+             "|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['tool_ms']:g} ms | {r['workers']} | {r['k']} | {r['seed']} | {r['episodes_per_s']:.0f} | "
+              f"{r['tokens_per_s']:.0f} | {r['steps_per_s']:.2f} | {r['learner_idle']:.2f} |" for r in rows]
+    notes = (f"experiment=calc_tool, {args.steps} learner steps a run, evaluation off, rates over steps "
+             f"{args.skip_steps + 1}-{args.steps}; runs interleaved seed by seed.")
+    harness.emit(harness.section("What a slow tool costs, with and without asynchrony (bench/bench_tool_rollouts.py)",
+                                 "\n".join(lines), notes=notes), args.append)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """vLLM-CPU rollouts of the real-model preset at two KV block sizes.
 
-    .venv/bin/python bench/bench_vllm_cpu.py [--prompts 8 16] [--reps 2] [--append bench/RESULTS.md]
+    .venv/bin/python bench/bench_vllm_cpu.py [--prompts 8 16] [--reps 2] [--append bench/results/vllm_cpu_blocks.md]
 
 The preset's model and prompts (``experiment=smollm2_arith``: SmolLM2-135M-Instruct in bfloat16, the
 built-in arithmetic task's chat prompts of ~102 tokens), 8 samples a prompt, 48-token cap,
@@ -15,19 +15,12 @@ Ratios are to the first row, measured in the same run.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import harness
 
-from dapo.runtime import apply_service_env  # noqa: E402
-
-apply_service_env()
+harness.service_env()
 
 
 def measure(model_path: str, prompts: list[list[int]], *, block: int, sizes: list[int], reps: int) -> dict:
@@ -55,7 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, nargs="+", default=[8, 16], help="prompts per generate call")
     parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--append", help="append a Markdown section to this results file")
+    harness.add_append(parser)
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
@@ -64,27 +57,21 @@ def main() -> None:
     from dapo.data import build_dataset
     from dapo.launch.fetch import resolve_model_path
 
-    cfg = load_config(["experiment=smollm2_arith", f"run.cache_dir={ROOT / '.cache' / 'dapo'}"])
+    cfg = load_config(["experiment=smollm2_arith", f"run.cache_dir={harness.CACHE_DIR}"])
     model_path = str(resolve_model_path(cfg))
     data = build_dataset(cfg, "train", AutoTokenizer.from_pretrained(model_path))
     prompts = [data[i].prompt_token_ids for i in range(max(args.prompts + [8]))]
     rows = [(b, measure(model_path, prompts, block=b, sizes=args.prompts, reps=args.reps)) for b in (128, 32)]
     base = rows[0][1]
-    started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    lengths = f"{min(map(len, prompts))}-{max(map(len, prompts))}"
-    lines = [f"`.venv/bin/python bench/bench_vllm_cpu.py {' '.join(sys.argv[1:])}` — {started}, "
-             f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; prompts of {lengths} tokens",
-             "", "| KV block tokens | prefill 8 x 8 s (ratio) | "
+    notes = f"The preset's prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens x 8 samples."
+    lines = ["| KV block tokens | prefill 8 x 8 s (ratio) | "
              + " | ".join(f"{s} x 8 tok/s (ratio)" for s in args.prompts) + " |",
              "|---|---|" + "---|" * len(args.prompts)]
     for block, r in rows:
         lines.append(f"| {block} | {r['prefill_s']:.2f} ({base['prefill_s'] / r['prefill_s']:.1f}x) | "
                      + " | ".join(f"{r[s]:.0f} ({r[s] / base[s]:.1f}x)" for s in args.prompts) + " |")
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if args.append:
-        with open(args.append, "a") as f:
-            f.write("\n" + report)
+    harness.emit(harness.section("vLLM on CPU: 32-token KV blocks (bench/bench_vllm_cpu.py)", "\n".join(lines),
+                                 notes=notes), args.append)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Weight push throughput, learner -> one actor process on loopback, vs raw TCP in the same run.
 
-    .venv/bin/python bench/bench_weights.py [--sizes-mb 100 500] [--reps 3] [--append bench/RESULTS.md]
+    .venv/bin/python bench/bench_weights.py [--sizes-mb 100 500] [--reps 3] [--append bench/results/weights.md]
 
 Modes (the actor is a separate process; MB = 1e6 bytes; best / median of --reps):
   raw         sendall(memoryview) -> recv_into a preallocated buffer (the reference)
@@ -14,19 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import socket
 import statistics
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+import harness
+
+harness.one_thread()
 
 import torch  # noqa: E402
 
@@ -147,7 +144,7 @@ def main() -> None:
     ap.add_argument("--manifest", default="")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--sizes-mb", type=int, nargs="+", default=[100, 500])
-    ap.add_argument("--append", default="")
+    harness.add_append(ap)
     args = ap.parse_args()
     if args.actor:
         args.mode = args.actor
@@ -171,16 +168,10 @@ def main() -> None:
     table = ["| size | raw TCP MB/s | network (side channel) MB/s | ratio | collective (gloo) MB/s | ratio | "
              "blake3 verify MB/s | learner serialise s |", "|---|---|---|---|---|---|---|---|"]
     table += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
-    text = "\n".join(table)
-    print(text)
-    if args.append:
-        head = (f"\n## Weight push throughput (bench/bench_weights.py)\n\n"
-                f"`{' '.join(['.venv/bin/python', 'bench/bench_weights.py'] + sys.argv[1:])}` — "
-                f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {platform.node()}, {os.cpu_count()} CPUs, "
-                f"torch {torch.__version__}. MB = 1e6 bytes, best / median of {args.reps}; "
-                f"ratio = median / median of raw TCP measured in the same run. float32 payload.\n\n")
-        with open(args.append, "a") as f:
-            f.write(head + text + "\n")
+    notes = (f"torch {torch.__version__}. MB = 1e6 bytes, best / median of {args.reps}; ratio = median / median "
+             "of raw TCP measured in the same run. float32 payload.")
+    harness.emit(harness.section("Weight push throughput (bench/bench_weights.py)", "\n".join(table), notes=notes),
+                 args.append)
 
 
 if __name__ == "__main__":

@@ -13,21 +13,15 @@ The CI version (3 actor kills, 1 learner kill) is tests/chaos/test_chaos_run.py.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import shlex
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import harness
 
-from dapo.runtime import apply_service_env  # noqa: E402
-
-apply_service_env()
+harness.service_env()
 
 from tests.chaos.cluster import Cluster, audit_run, check_audit, wait_for  # noqa: E402
 
@@ -58,7 +52,7 @@ def main() -> int:
                  f"algorithm.max_staleness_steps={k}", "data.builtin_num_train_prompts=5000",
                  "transport.heartbeat_timeout_s=3", "actor.heartbeat_interval_s=0.5",
                  "learner.batch_wait_timeout_s=180", "learner.lr=1e-6"]
-    model = str(ensure_tiny_model(ROOT / ".cache" / "dapo", progress=False))
+    model = str(ensure_tiny_model(harness.CACHE_DIR, progress=False))
     tmp = args.keep or Path(tempfile.mkdtemp(prefix="dapo-chaos-"))
     c = Cluster(tmp, model, overrides, seed=args.seed)
     t0 = time.monotonic()
@@ -112,15 +106,14 @@ def main() -> int:
     }
     print(json.dumps(summary, indent=1))
     if args.record:
-        record(args.record, summary, " ".join(shlex.quote(a) for a in [".venv/bin/python", *sys.argv]))
+        record(args.record, summary)
     return 0 if not problems else 1
 
 
-def record(path: Path, s: dict, command: str) -> None:
+def record(path: Path, s: dict) -> None:
     b = s["books"]
     lines = [
-        f"\n### Chaos soak, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"\n`{command}` on {platform.node()} ({platform.machine()}, {__import__('os').cpu_count()} cores, shared)\n",
+        f"### Chaos soak, {harness.now()}", "", harness.provenance(), "",
         f"- actor kills: {s['actor_kills']} ({s['kills_while_holding_leases']} while holding leases, "
         f"{s['leases_held_by_killed_actors']} leases held); learner kills: {s['learner_kills']}, actors back "
         f"after {s['reconnect_s']} s (bound 30 s)",
@@ -132,8 +125,7 @@ def record(path: Path, s: dict, command: str) -> None:
         f"after missed heartbeats {s['leases_expired_heartbeat']:g}, late groups dropped {s['groups_late_dropped']:g}",
         f"- result: {'PASS' if not s['problems'] else 'FAIL: ' + '; '.join(s['problems'])}",
     ]
-    with open(path, "a") as f:
-        f.write("\n".join(lines) + "\n")
+    harness.emit("\n".join(lines), path)
 
 
 if __name__ == "__main__":

@@ -42,9 +42,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+import harness
+
+harness.one_thread()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -261,7 +261,7 @@ def check_publish(device: torch.device, small: bool) -> dict:
         man.write_bytes(pub.store.latest().to_json())
         port = pub.senders["side_channel"].endpoint.rpartition(":")[2]
         # The actor side: a separate process reads the whole buffer over TCP and verifies every chunk.
-        res = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_weights.py"), "--actor", "network",
+        res = subprocess.run([sys.executable, str(harness.ROOT / "bench" / "bench_weights.py"), "--actor", "network",
                               "--port", port, "--manifest", str(man), "--reps", "2"],
                              capture_output=True, text=True, timeout=300, check=True)
     fetch = [json.loads(line) for line in res.stdout.splitlines()]
@@ -375,7 +375,7 @@ def check_publish_direct(device: torch.device, small: bool) -> dict:
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "manifest.json").write_bytes(man.to_json())
             port = pub.senders["side_channel"].endpoint.rpartition(":")[2]
-            res = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_weights.py"), "--actor", "network",
+            res = subprocess.run([sys.executable, str(harness.ROOT / "bench" / "bench_weights.py"), "--actor", "network",
                                   "--port", port, "--manifest", str(Path(tmp) / "manifest.json"), "--reps", "2"],
                                  capture_output=True, text=True, timeout=300, check=True)
         fetch = [json.loads(line) for line in res.stdout.splitlines()]
@@ -460,6 +460,8 @@ def main() -> None:
         device = torch.device("cuda", torch.cuda.current_device())
     if args.ipc_actor:
         return ipc_actor_main(args.ipc_actor, args.model, device)
+    print(json.dumps({"check": "provenance", "command": harness.command(), "machine": harness.machine(),
+                      "code": harness.commit(), "date": harness.now(), "ok": True}), flush=True)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -25,14 +25,15 @@ import argparse
 import hashlib
 import json
 import random
-import sys
 from pathlib import Path
 from typing import Callable
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+try:  # a script (bench/ is sys.path[0]): the harness puts the repo root on sys.path
+    import harness  # noqa: F401
+except ModuleNotFoundError:  # imported as bench.gsm8k_like (tests/data/make_gsm8k_format.py): it is there
+    pass
 
-from dapo.formats import GSM8K_INSTRUCTION, ground_truth_of  # noqa: E402
+from dapo.formats import GSM8K_INSTRUCTION, ground_truth_of
 
 NAMES = ("Natalia", "Weng", "Betty", "James", "Mark", "Albert", "Julie", "Ken", "Alexis", "Tina", "Randy", "Joy")
 ITEMS = ("apples", "pencils", "cookies", "stickers", "marbles", "books", "cards", "eggs", "shells", "balloons")

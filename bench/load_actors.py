@@ -11,20 +11,13 @@ The CI version is tests/chaos/test_load.py (64 actors, 12 s).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
-import shlex
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import harness
 
-from dapo.runtime import apply_service_env  # noqa: E402
-
-apply_service_env()
+harness.service_env()
 
 from tests.chaos.load import run_load  # noqa: E402
 
@@ -64,11 +57,9 @@ def main() -> int:
     }
     print(json.dumps(summary, indent=1))
     if args.record:
-        cmd = " ".join(shlex.quote(x) for x in [".venv/bin/python", *sys.argv])
         s = summary
         lines = [
-            f"\n### Load, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-            f"\n`{cmd}` on {platform.node()} ({platform.machine()}, {os.cpu_count()} cores, shared)\n",
+            f"### Load, {harness.now()}", "", harness.provenance(), "",
             f"- {s['actors']} fake-engine actors ({args.processes} processes), {s['duration_s']:g} s: "
             f"{s['groups_received']:g} groups received ({s['groups_per_s']} groups/s, {s['MB_received']} MB), "
             f"{s['trained']} trained in {s['steps']} steps",
@@ -80,8 +71,7 @@ def main() -> int:
             f"- audit: {s['audit']}",
             f"- result: {'PASS' if not problems else 'FAIL: ' + '; '.join(problems)}",
         ]
-        with open(args.record, "a") as f:
-            f.write("\n".join(lines) + "\n")
+        harness.emit("\n".join(lines), args.record)
     return 0 if not problems else 1
 
 

@@ -3,7 +3,7 @@ random prompts of the preset's shapes, the number of prompts and the response ca
 round, with a weight load every round (as the actor loads each version). Prints one line per round
 and a least-squares slope after warm-up. Where an actor's memory goes when it grows.
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 .venv/bin/python bench/mem_actor_rss.py --rounds 80 --model <folder>
+    OMP_NUM_THREADS=1 .venv/bin/python bench/mem_actor_rss.py --rounds 80 --model <folder>
     LRU_CACHE_CAPACITY=1024 ONEDNN_PRIMITIVE_CACHE_CAPACITY=1024 ... (torch's defaults; dapo.runtime.service_env sets 8)
 """
 
@@ -14,9 +14,9 @@ import os
 import random
 import time
 
-from dapo.runtime import apply_service_env
+import harness
 
-apply_service_env()
+harness.service_env()
 
 import psutil  # noqa: E402
 import torch  # noqa: E402
@@ -48,8 +48,8 @@ def main() -> int:
     weights = {k: v.to(torch.bfloat16) for k, v in load_file(os.path.join(args.model, "model.safetensors")).items()}
     rng = random.Random(0)
     caps = {k: os.environ.get(k, "default") for k in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
-    print(f"caps {caps}, load every round: {not args.no_load}, trim: {args.trim}, trim above: {args.trim_above_mb} MB",
-          flush=True)
+    print(harness.provenance(), f"\ncaps {caps}, load every round: {not args.no_load}, trim: {args.trim}, "
+          f"trim above: {args.trim_above_mb} MB", flush=True)
     xs, rss, heap = [], [], []
     for r in range(args.rounds):
         t0 = time.perf_counter()

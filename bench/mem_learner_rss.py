@@ -2,7 +2,7 @@
 packed batches of the preset's shapes with varying lengths, optionally with the full state dict and
 the WeightPublisher's publish of every step (as learner/loop.py does). Prints one line per step.
 
-    PYTHONPATH=. OMP_NUM_THREADS=1 python bench/mem_learner_rss.py --steps 30 --stage publish
+    OMP_NUM_THREADS=1 .venv/bin/python bench/mem_learner_rss.py --steps 30 --stage publish --model <folder>
     MALLOC_MMAP_THRESHOLD_=65536 ... (allocator variables are read at process start)
 """
 
@@ -16,9 +16,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from dapo.runtime import apply_service_env
+import harness
 
-apply_service_env()
+harness.service_env()
 
 import psutil  # noqa: E402
 import torch  # noqa: E402
@@ -85,6 +85,7 @@ def run(cfg, args) -> int:
     trainer = Trainer(model, TrainerSettings.from_config(cfg), torch.device("cpu"))
     pub = WeightPublisher("side_channel", SenderOptions("127.0.0.1", "x", 10.0), chunk_bytes=cfg.weights.chunk_bytes,
                           dtype=getattr(torch, cfg.model.dtype)) if args.stage == "publish" else None
+    print(harness.provenance(), flush=True)
     print(f"# sharded={trainer.sharded} dtype={cfg.model.dtype} stage={args.stage} trim={args.trim} "
           f"env={ {k: v for k, v in os.environ.items() if k.startswith(('MALLOC_', 'LD_PRELOAD'))} }", flush=True)
     g = torch.Generator().manual_seed(0)

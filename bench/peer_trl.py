@@ -53,14 +53,14 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-BENCH_PYTHON = ROOT / ".venv-bench" / "bin" / "python"
+import harness  # bench/ is sys.path[0] both in the scripts that import this module and in its worker
+
+BENCH_PYTHON = harness.ROOT / ".venv-bench" / "bin" / "python"
 TRL_VERSION = "1.16.0"
 WORKLOADS = {"default": [], "long_response": ["experiment=long_response"],
              "smollm2_arith": ["experiment=smollm2_arith"]}
@@ -227,14 +227,14 @@ def run_peer(workload: str, knobs: PeerKnobs, *, seed: int, max_batches: int, wo
     threads = str(knobs.threads)
     env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "ACCELERATE_USE_CPU": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+           "PYTHONPATH": os.pathsep.join([str(harness.ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     t0 = time.time()
     spec = {"workload": workload, "knobs": asdict(knobs), "seed": seed, "max_batches": max_batches,
             "eval_every_batches": eval_every_batches, "target": target, "t_cmd_unix_s": t0, "out": str(out),
             "snapshot_every_batches": snapshot_every_batches, "snapshot_root": str(work / name / "weights")}
     with open(log, "w") as err:
         rc = subprocess.call([str(BENCH_PYTHON), __file__, "--worker", json.dumps(spec)], env=env,
-                             stdout=subprocess.DEVNULL, stderr=err, cwd=ROOT)
+                             stdout=subprocess.DEVNULL, stderr=err, cwd=harness.ROOT)
     if rc != 0:
         raise SystemExit(f"TRL run failed (exit {rc}); see {log}")
     return {**json.loads(out.read_text()), "command_s": time.time() - t0}
@@ -451,7 +451,7 @@ def worker(spec: dict) -> None:
     if trl.__version__ != TRL_VERSION:
         raise SystemExit(f"TRL {trl.__version__} in .venv-bench, expected {TRL_VERSION} (pyproject's bench extra)")
     seed = spec["seed"]
-    cfg = load_config([*WORKLOADS[spec["workload"]], f"run.cache_dir={ROOT / '.cache' / 'dapo'}",
+    cfg = load_config([*WORKLOADS[spec["workload"]], f"run.cache_dir={harness.CACHE_DIR}",
                        f"learner.seed={seed}", f"actor.seed={seed}"])
     peer = peer_config(cfg, knobs)
     model_path = str(resolve_model_path(cfg))
@@ -506,5 +506,4 @@ def _resolved(conf, trainer) -> dict:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="internal: one peer run, started by run_peer")
     parser.add_argument("--worker", required=True, help="the run's spec as JSON")
-    sys.path.insert(0, str(ROOT))
     worker(json.loads(parser.parse_args().worker))

@@ -21,12 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import harness
 
-from dapo.runtime import apply_service_env  # noqa: E402
-
-apply_service_env()  # before torch / vllm are imported
+harness.service_env()  # before torch / vllm are imported
 
 
 def score(roots: list[Path], k: int, data: str | None, overrides: list[str], top_p: float = 1.0) -> dict[Path, list[dict]]:

@@ -3,8 +3,8 @@ or on a real model (``--workload smollm2_arith``: SmolLM2-135M-Instruct on the b
 
     .venv/bin/python bench/vs_trl.py --seeds 0 1 2        # interleaved, markdown table
     .venv/bin/python bench/vs_trl.py --tune --seeds 0     # the peer's knob grid (bench/peer_trl.py)
-    .venv/bin/python bench/vs_trl.py --append bench/RESULTS.md --png bench/vs_trl.png
-    .venv/bin/python bench/vs_trl.py --workload smollm2_arith --seeds 0 1 --png bench/vs_trl_smollm2.png
+    .venv/bin/python bench/vs_trl.py --seeds 0 1 2 3 4 --append bench/results/vs_trl_default.md --png bench/results/vs_trl.png
+    .venv/bin/python bench/vs_trl.py --workload smollm2_arith --seeds 0 1 --png bench/results/vs_trl_smollm2.png
     .venv/bin/python bench/vs_trl.py --workload smollm2_arith --seeds 0 1 --instrument offline --max-batches 12
 
 Each run also reports where a steady-state step goes (generate, waiting for a batch, train, weight
@@ -60,17 +60,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import harness
 
-from bench.peer_trl import (WORKLOADS, PeerKnobs, batch_seconds, choose, knob_grid, run_peer,  # noqa: E402
-                            tune, tune_table, tuned)
+from bench.peer_trl import WORKLOADS, PeerKnobs, batch_seconds, choose, knob_grid, run_peer, tune, tune_table, tuned
 
-DAPO = Path(sys.executable).with_name("dapo")
-"""`dapo run` of the venv this harness runs in (.venv/bin/dapo)."""
 TARGET = 0.8
 """Held-out accuracy both sides race to (``--target``)."""
 EVAL_EVERY_BATCHES = 5
@@ -151,13 +146,13 @@ def run_dapo(seed: int, work: Path, extra: list[str], target: float, workload: s
     evaluation = ([*DAPO_EXTRA[workload], "run.stop_at_target=true", f"run.target_accuracy={target}",
                    f"learner.eval_every_steps={EVAL_EVERY_BATCHES}"] if instrument == "inline" else
                   ["learner.eval_every_steps=0", "learner.save_weights_every_steps=1", "run.stop_at_target=false"])
-    argv = [str(DAPO), "run", *WORKLOADS[workload], *evaluation, f"learner.total_steps={max_batches}",
-            f"run.run_dir={run_dir}", f"learner.seed={seed}", f"actor.seed={seed}",
-            f"run.cache_dir={ROOT / '.cache' / 'dapo'}", "transport.grpc_port=0", "transport.zmq_port=0",
-            "weights.side_channel_port=0", "weights.collective_port=0", *extra]
+    argv = harness.dapo_run_argv([*WORKLOADS[workload], *evaluation, f"learner.total_steps={max_batches}",
+                                  f"learner.seed={seed}", f"actor.seed={seed}", f"run.cache_dir={harness.CACHE_DIR}"],
+                                 run_dir, extra)
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     t0 = time.time()
-    proc = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          cwd=harness.ROOT)
     command_s = time.time() - t0
     (run_dir.parent / f"{run_dir.name}.stderr").write_text(proc.stderr)
     if proc.returncode != 0:
@@ -178,9 +173,9 @@ def run_dapo(seed: int, work: Path, extra: list[str], target: float, workload: s
 
 def score_offline(root: Path, workload: str, k: int) -> list[dict]:
     """The snapshots under ``root``, scored by bench/score_snapshots.py after the run (not timed)."""
-    argv = [sys.executable, str(ROOT / "bench" / "score_snapshots.py"), str(root), "--k", str(k), "--",
-            *WORKLOADS[workload], f"run.cache_dir={ROOT / '.cache' / 'dapo'}"]
-    proc = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    argv = [sys.executable, str(harness.ROOT / "bench" / "score_snapshots.py"), str(root), "--k", str(k), "--",
+            *WORKLOADS[workload], f"run.cache_dir={harness.CACHE_DIR}"]
+    proc = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=harness.ROOT)
     if proc.returncode != 0:
         raise SystemExit(f"scoring {root} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return [json.loads(line) for line in (root / "scores.jsonl").read_text().splitlines() if line.strip()]
@@ -378,10 +373,6 @@ def plot(rows_raw: dict[str, list[tuple[float, float]]], path: Path, target: flo
     fig.savefig(path, dpi=110)
 
 
-def load_avg() -> str:
-    return " / ".join(f"{x:.1f}" for x in os.getloadavg())
-
-
 def peer_knobs(args: argparse.Namespace) -> list[PeerKnobs]:
     """``peer_trl.tuned(workload)`` with the ``--trl-*`` overrides: one setting for each ``--trl-lr``."""
     base = tuned(args.workload)
@@ -431,28 +422,26 @@ def main() -> None:
     parser.add_argument("--only", choices=("dapo", "trl"), help="run one side only")
     parser.add_argument("--dapo-override", action="append", default=[], help="extra `dapo run` override")
     parser.add_argument("--work", default=None, help="folder for runs and logs (default: a temp folder)")
-    parser.add_argument("--append", help="append the table to this markdown file")
+    harness.add_append(parser)
     parser.add_argument("--png", help="write the accuracy-vs-wall-time curves here")
     args = parser.parse_args()
 
     work = Path(args.work or tempfile.mkdtemp(prefix="vs_trl-"))
     work.mkdir(parents=True, exist_ok=True)
-    started = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    loads = [load_avg()]
-    head = f"`.venv/bin/python bench/vs_trl.py {' '.join(sys.argv[1:])}` — {started}, {os.cpu_count()} CPUs"
+    loads = [harness.load_average()]
     if args.tune:
-        text = run_tune(args, work)
-        report = f"{head}, load average (1/5/15 min) {loads[0]} before, {load_avg()} after\n\n{text}"
+        title, report = f"The peer tuned on workload {args.workload} (bench/vs_trl.py --tune)", run_tune(args, work)
+        notes = f"Load average (1 / 5 / 15 min) {loads[0]} before."
     else:
-        report = compare(args, work, loads, head)
-    print(report)
-    if args.append:
-        with open(args.append, "a") as f:
-            f.write("\n" + report)
+        title, report = f"dapo vs TRL on workload {args.workload} (bench/vs_trl.py)", compare(args, work, loads)
+        notes = f"Load average (1 / 5 / 15 min) before and after each seed: {'; '.join(loads)}."
+        if args.png:
+            notes += f" Curves: [{Path(args.png).name}]({Path(args.png).name})."
+    harness.emit(harness.section(title, report, notes=notes), args.append)
     print(f"runs and logs in {work}")
 
 
-def compare(args: argparse.Namespace, work: Path, loads: list[str], head: str) -> str:
+def compare(args: argparse.Namespace, work: Path, loads: list[str]) -> str:
     settings, rows = peer_knobs(args), []
     max_batches = args.max_batches or MAX_BATCHES[args.workload]
     for seed in args.seeds:  # interleaved: machine load drifts hit both sides alike
@@ -464,9 +453,8 @@ def compare(args: argparse.Namespace, work: Path, loads: list[str], head: str) -
             rows.append(run_trl(seed, knobs, work, args.target, args.workload, max_batches, args.instrument,
                                 args.score_k))
             print(table([rows[-1]], args.target).splitlines()[-1], flush=True)
-        loads.append(load_avg())
-    report = (f"{head}, load average (1/5/15 min) before and after each seed: {'; '.join(loads)}\n\n"
-              + table(rows, args.target) + "\n\n" + summary(rows, args.target) + "\n\n"
+        loads.append(harness.load_average())
+    report = (table(rows, args.target) + "\n\n" + summary(rows, args.target) + "\n\n"
               + targets_table(rows) + "\n\n" + breakdown_table(rows, args.workload) + "\n")
     startups = [r["startup"] for r in rows if r.get("startup")]
     if startups:
