@@ -12,6 +12,13 @@ checksum has verified every byte and every name, shape and offset.
 Why blake3: measured on this 2-core VM (4 MiB chunks, one thread) blake3 hashes 3.4 GB/s and
 zlib.crc32 3.1 GB/s; blake3 is as fast and does not let a corrupted chunk collide.
 
+LoRA runs (``lora.rank > 0``, dapo/config/lora.py): a version carries only the adapter tensors, named
+as in peft's ``adapter_model.safetensors`` (``base_model.model.<module>.lora_A.weight``), and its
+manifest names the base weights it applies to (``base_checksum``: the version checksum of the base).
+The base itself is one more buffer of the same layout, published once as version ``BASE_VERSION``
+with the HF names of the plain model; an actor fetches it when it joins (or when the base changes),
+never with every version.
+
 A version built on a GPU (the device-direct backends: collective, cuda_ipc) is checksummed with
 ``sum64`` instead: torch ops that run where the buffer is (it is never copied to the host to be
 hashed) and give the same value on CPU and CUDA for the same bytes. The manifest names its
@@ -30,6 +37,10 @@ import torch
 
 ALIGN_BYTES = 64
 MANIFEST_SCHEMA = 1
+BASE_VERSION = -1
+"""The version number of a LoRA run's base weights in the learner's store and on the wire."""
+ADAPTER_PREFIX = "base_model.model."
+"""peft's prefix of adapter tensor names in ``adapter_model.safetensors`` (a PeftModel's own path)."""
 CHECKSUM_ALGORITHMS = ("blake3", "sum64")
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -68,6 +79,9 @@ class WeightManifest:
     """blake3 hex digest of the manifest body and all chunk digests."""
     checksum_algorithm: str = "blake3"
     """How ``chunk_checksums`` were computed: one of CHECKSUM_ALGORITHMS."""
+    base_checksum: str = ""
+    """LoRA: the ``version_checksum`` of the base weights these adapter tensors apply to; "" for a
+    version of full weights (and for the base itself)."""
 
     @property
     def num_chunks(self) -> int:
@@ -79,7 +93,8 @@ class WeightManifest:
         return start, min(self.chunk_bytes, self.total_bytes - start)
 
     def to_json(self) -> bytes:
-        body = {**_body(self.version, self.total_bytes, self.chunk_bytes, self.tensors, self.checksum_algorithm),
+        body = {**_body(self.version, self.total_bytes, self.chunk_bytes, self.tensors, self.checksum_algorithm,
+                        self.base_checksum),
                 "chunk_checksums": list(self.chunk_checksums), "version_checksum": self.version_checksum}
         return json.dumps(body, separators=(",", ":")).encode()
 
@@ -92,7 +107,7 @@ class WeightManifest:
                             for t in raw["tensors"])
             man = WeightManifest(int(raw["version"]), int(raw["total_bytes"]), int(raw["chunk_bytes"]), tensors,
                                  tuple(str(c) for c in raw["chunk_checksums"]), str(raw["version_checksum"]),
-                                 str(raw.get("checksum", "blake3")))
+                                 str(raw.get("checksum", "blake3")), str(raw.get("base", "")))
             schema = int(raw["schema"])
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             raise WeightError(f"malformed weight manifest ({exc!r}); expected the JSON written by "
@@ -104,15 +119,17 @@ class WeightManifest:
         return man
 
 
-def _body(version: int, total_bytes: int, chunk_bytes: int, tensors: Iterable[TensorEntry], algorithm: str) -> dict:
+def _body(version: int, total_bytes: int, chunk_bytes: int, tensors: Iterable[TensorEntry], algorithm: str,
+          base_checksum: str = "") -> dict:
     return {"schema": MANIFEST_SCHEMA, "version": version, "total_bytes": total_bytes, "chunk_bytes": chunk_bytes,
             "tensors": [[t.name, t.dtype, list(t.shape), t.offset_bytes, t.nbytes] for t in tensors],
-            **({} if algorithm == "blake3" else {"checksum": algorithm})}
+            **({} if algorithm == "blake3" else {"checksum": algorithm}),
+            **({"base": base_checksum} if base_checksum else {})}
 
 
 def _version_checksum(version: int, total_bytes: int, chunk_bytes: int, tensors: Iterable[TensorEntry],
-                      chunk_checksums: Iterable[str], algorithm: str = "blake3") -> str:
-    body = _body(version, total_bytes, chunk_bytes, tensors, algorithm)
+                      chunk_checksums: Iterable[str], algorithm: str = "blake3", base_checksum: str = "") -> str:
+    body = _body(version, total_bytes, chunk_bytes, tensors, algorithm, base_checksum)
     h = blake3.blake3(json.dumps(body, separators=(",", ":")).encode())
     for c in chunk_checksums:
         h.update(c.encode())
@@ -139,7 +156,7 @@ def _validate(man: WeightManifest) -> None:
             raise WeightError(f"tensor {t.name!r}: offset {t.offset_bytes}, nbytes {t.nbytes}, shape {t.shape} "
                               f"do not fit a {man.total_bytes}-byte buffer aligned to {ALIGN_BYTES}")
     if man.version_checksum != _version_checksum(man.version, man.total_bytes, man.chunk_bytes, man.tensors,
-                                                 man.chunk_checksums, man.checksum_algorithm):
+                                                 man.chunk_checksums, man.checksum_algorithm, man.base_checksum):
         raise WeightError(f"manifest of version {man.version}: version checksum does not match its body "
                           f"(corrupted or forged manifest); refetch it")
 
@@ -187,7 +204,7 @@ def sum64_checksums(buf: torch.Tensor, chunk_bytes: int, indices: Iterable[int] 
 
 def flatten_state_dict(state_dict: Mapping[str, torch.Tensor], *, version: int, chunk_bytes: int,
                        dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
-                       device: torch.device | str = "cpu", checksum: str = "blake3"
+                       device: torch.device | str = "cpu", checksum: str = "blake3", base_checksum: str = ""
                        ) -> tuple[torch.Tensor, WeightManifest]:
     """Copy ``state_dict`` into one uint8 buffer on ``device`` and describe it (``checksum``: an
     algorithm of CHECKSUM_ALGORITHMS; blake3 needs a CPU buffer).
@@ -208,11 +225,12 @@ def flatten_state_dict(state_dict: Mapping[str, torch.Tensor], *, version: int, 
         dst.copy_(t.detach())
         end = e.offset_bytes + e.nbytes
     buf[end:].zero_()
-    return buf, manifest_for(buf, entries, version=version, chunk_bytes=chunk_bytes, checksum=checksum)
+    return buf, manifest_for(buf, entries, version=version, chunk_bytes=chunk_bytes, checksum=checksum,
+                             base_checksum=base_checksum)
 
 
 def manifest_for(buf: torch.Tensor, entries: list[TensorEntry], *, version: int, chunk_bytes: int,
-                 checksum: str = "blake3") -> WeightManifest:
+                 checksum: str = "blake3", base_checksum: str = "") -> WeightManifest:
     """Manifest (with all checksums, computed where ``buf`` is) for a buffer already laid out as ``entries``."""
     if chunk_bytes <= 0:
         raise WeightError(f"chunk_bytes={chunk_bytes}; expected > 0")
@@ -226,7 +244,8 @@ def manifest_for(buf: torch.Tensor, entries: list[TensorEntry], *, version: int,
         checksums = tuple(chunk_checksum(mv[o:o + chunk_bytes]) for o in range(0, total, chunk_bytes))
     tensors = tuple(entries)
     return WeightManifest(version, total, chunk_bytes, tensors, checksums,
-                          _version_checksum(version, total, chunk_bytes, tensors, checksums, checksum), checksum)
+                          _version_checksum(version, total, chunk_bytes, tensors, checksums, checksum, base_checksum),
+                          checksum, base_checksum)
 
 
 def bad_chunks(buf: torch.Tensor, manifest: WeightManifest, indices: Iterable[int] | None = None) -> list[int]:
@@ -251,3 +270,33 @@ def unflatten(buf: torch.Tensor, manifest: WeightManifest) -> dict[str, torch.Te
         raise WeightError(f"buffer holds {buf.numel()} bytes, manifest describes {manifest.total_bytes}")
     return {e.name: buf[e.offset_bytes:e.offset_bytes + e.nbytes].view(_DTYPES[e.dtype]).view(e.shape)
             for e in manifest.tensors}
+
+
+# ---- LoRA tensor names: the learner's module parameters, the wire (peft's file names), the plain model
+
+def is_adapter_tensor(name: str) -> bool:
+    """A LoRA adapter tensor (``...lora_A...`` / ``...lora_B...``), in any of the naming schemes below."""
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def adapter_file_name(param_name: str, adapter: str = "default") -> str:
+    """A peft-injected module's parameter name (``model.layers.0.self_attn.q_proj.lora_A.default.weight``)
+    as peft's ``adapter_model.safetensors`` names it (``base_model.model.model.layers.0.self_attn.q_proj.
+    lora_A.weight``): the wire name of an adapter tensor, and what vLLM's LoRA loader parses."""
+    return ADAPTER_PREFIX + param_name.replace(f".{adapter}.", ".", 1)
+
+
+def adapter_param_name(file_name: str, adapter: str = "default") -> str:
+    """The inverse of ``adapter_file_name``; raises WeightError for a name that is not an adapter's."""
+    if not file_name.startswith(ADAPTER_PREFIX) or not is_adapter_tensor(file_name):
+        raise WeightError(f"{file_name!r} is not an adapter tensor name; expected "
+                          f"{ADAPTER_PREFIX}<module>.lora_A.weight or .lora_B.weight (peft's file names)")
+    name = file_name[len(ADAPTER_PREFIX):]
+    for part in (".lora_A.", ".lora_B."):
+        name = name.replace(part, f"{part}{adapter}.", 1)
+    return name
+
+
+def base_param_name(param_name: str) -> str:
+    """A peft-injected model's base parameter name as the plain HF model names it (``.base_layer`` out)."""
+    return param_name.replace(".base_layer.", ".")

@@ -45,16 +45,18 @@ import contextlib
 import math
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from dapo.algorithm import loss_kwargs, policy_loss
-from dapo.config import DEVICE_DIRECT_BACKENDS, AlgorithmConfig, DapoConfig, LearnerConfig
+from dapo.config import DEVICE_DIRECT_BACKENDS, AlgorithmConfig, DapoConfig, LearnerConfig, LoraConfig
+from dapo.lora import apply_lora, is_lora_model
 from learner.attention import packed_attention
 from learner.batch import PackedMicroBatch, RankShard
+from learner.lora import adapter_state_dict, split_base, trainable_parameters
 from learner.logprobs import LogprobHead, install_logprob_head
 from learner.precision import has_native_bf16, resolve_compute_dtype
 
@@ -94,12 +96,15 @@ class TrainerSettings:
     shard_single_rank: bool = False
     """``fully_shard`` even where the plain module would do (one rank without offload): for
     tests and benchmarks that compare the two paths; training does not set it."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA (``rank > 0``): adapters injected before sharding, only they in the optimizer, each version
+    publishes only them (learner/lora.py)."""
 
     @staticmethod
     def from_config(cfg: DapoConfig) -> "TrainerSettings":
         return TrainerSettings(cfg.learner, cfg.algorithm, cfg.actor.temperature, float(cfg.actor.max_response_tokens),
                                cfg.model.dtype,
-                               cfg.weights.backend in DEVICE_DIRECT_BACKENDS)
+                               cfg.weights.backend in DEVICE_DIRECT_BACKENDS, lora=cfg.lora)
 
 
 def needs_sharding(settings: TrainerSettings, world_size: int) -> bool:
@@ -186,6 +191,11 @@ class Trainer:
         model.set_attn_implementation("dapo_packed")
         learner = settings.learner
         self.head: LogprobHead | None = install_logprob_head(model) if learner.logprob_chunk_tokens > 0 else None
+        self.lora = settings.lora.enabled
+        # Before sharding and checkpointing: they see the adapted layers as their own. A model that
+        # already carries adapters (a test's, with B != 0) keeps them.
+        if self.lora and not is_lora_model(model):
+            model = apply_lora(model, settings.lora)
         self.sharded = needs_sharding(settings, self.world_size)
         self.num_params = sum(p.numel() for p in model.parameters())
         self.compute_dtype = resolve_compute_dtype(
@@ -200,8 +210,9 @@ class Trainer:
         self.model.train()
         # foreach: one kernel per parameter list, bit-identical to the default; fused for large models
         # (module docstring).
-        fused = self.num_params >= FUSED_ADAMW_MIN_PARAMS
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=learner.lr, weight_decay=learner.weight_decay,
+        trainable = trainable_parameters(self.model)  # with LoRA: the adapters; no AdamW state for the base
+        fused = sum(p.numel() for p in trainable) >= FUSED_ADAMW_MIN_PARAMS
+        self.optimizer = torch.optim.AdamW(trainable, lr=learner.lr, weight_decay=learner.weight_decay,
                                            **({"fused": True} if fused else {"foreach": True}))
         warmup = max(learner.warmup_steps, 0)
         # Linear warm-up per training step (the paper: 20 rollout steps), then constant.
@@ -246,6 +257,16 @@ class Trainer:
         same kernels: bit-identical, tests/unit/test_prox_skip.py); ``forward_backward`` takes its
         π_prox from that forward, detached, and the step runs one forward of 1/M of the batch less."""
         prox = {}
+        if self.lora and self.settings.lora.dropout > 0:  # π_prox is the policy itself: no adapter dropout
+            self.model.eval()
+        try:
+            self._prox_minibatches(shard, first_minibatch, prox)
+        finally:
+            self.model.train()  # the loss forwards train (with dropout)
+        return prox
+
+    def _prox_minibatches(self, shard: RankShard, first_minibatch: int, prox: dict[tuple[int, int], torch.Tensor]
+                          ) -> None:
         for m in range(first_minibatch, shard.num_minibatches):
             for u in range(shard.num_microbatches):
                 mb = shard.micro(m, u)
@@ -254,7 +275,6 @@ class Trainer:
                     continue
                 logp = self.logprobs(mb)[0].detach()  # an empty micro-batch still runs FSDP's collectives
                 prox[(m, u)] = mb.sampler_logp.to(self.device) if mb.is_empty else logp
-        return prox
 
     def forward_backward(self, shard: RankShard, minibatch: int, prox: dict[tuple[int, int], torch.Tensor],
                          sums: dict[str, float]) -> float:
@@ -310,7 +330,9 @@ class Trainer:
     def train_step(self, shard: RankShard) -> dict[str, float]:
         """One training step (all mini-batches of a batch). Returns metrics, identical on all ranks."""
         t0 = time.perf_counter()
-        prox = self.recompute_prox(shard, first_minibatch=int(self.settings.algorithm.prox_logp == "recompute"))
+        # Recompute mode reuses mini-batch 0's loss forward as its π_prox, unless LoRA dropout makes that forward random.
+        reuse = self.settings.algorithm.prox_logp == "recompute" and not (self.lora and self.settings.lora.dropout > 0)
+        prox = self.recompute_prox(shard, first_minibatch=int(reuse))
         prox_s = time.perf_counter() - t0
         sums = dict.fromkeys(_SUMS, 0.0)
         grad_norms = []
@@ -328,6 +350,18 @@ class Trainer:
                     "train/grad_norm": sum(grad_norms) / len(grad_norms), "train/grad_norm_max": max(grad_norms),
                     "train/lr": lr, "train/num_updates": float(shard.num_minibatches), "time/prox_logp_s": prox_s})
         return out
+
+    def version_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: what one published version carries, on rank 0 ({} elsewhere where gathered on a
+        device): the full state dict, or with LoRA only the adapters (peft's file names, fp32, CPU)."""
+        if self.lora:
+            return adapter_state_dict(self.model, keep=dist.get_rank() == 0)
+        return self.full_state_dict()
+
+    def base_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective, LoRA only: the frozen base weights under the plain model's HF names (published once)."""
+        assert self.lora, "base_state_dict is the base of a LoRA run"
+        return split_base(self.full_state_dict())
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective (call on every rank): full state dict on rank 0 (CPU, or this CUDA device with

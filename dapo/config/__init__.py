@@ -26,6 +26,7 @@ from dapo.config.algorithm import AGG_MODES, AlgorithmConfig
 from dapo.config.base import ConfigError, _check
 from dapo.config.data import DataConfig
 from dapo.config.learner import WANDB_RESUME, LearnerConfig
+from dapo.config.lora import LoraConfig
 from dapo.config.model import ModelConfig
 from dapo.config.run import RunConfig
 from dapo.config.transport import DEFAULT_AUTH_TOKEN, TransportConfig, is_loopback, public_bind_error
@@ -34,7 +35,7 @@ from dapo.config.weights import DEVICE_DIRECT_BACKENDS, WEIGHT_BACKENDS, WeightS
 __all__ = [  # the sections' public names, importable from dapo.config as before the split
     "AGG_MODES", "DEFAULT_AUTH_TOKEN", "DEVICE_DIRECT_BACKENDS", "ENGINES", "TOP_P_TRAINING_ERROR", "WANDB_RESUME",
     "WEIGHT_BACKENDS", "ActorConfig", "AlgorithmConfig", "ConfigError", "DapoConfig", "DataConfig", "LearnerConfig",
-    "ModelConfig", "RunConfig", "TransportConfig", "WeightSyncConfig", "is_loopback", "load_config", "load_resolved",
+    "LoraConfig", "ModelConfig", "RunConfig", "TransportConfig", "WeightSyncConfig", "is_loopback", "load_config", "load_resolved",
     "make_run_dir", "public_bind_error", "redacted", "save_resolved", "to_dict", "with_auth_token",
     "with_concrete_dtype", "compose", "presets", "register_configs", "CONF_DIR", "PRESET_GROUPS", "RENAMED_KEYS"]
 
@@ -49,6 +50,7 @@ class DapoConfig:
     transport: TransportConfig = field(default_factory=TransportConfig)
     weights: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         # Cross-service invariants, checked once here.
@@ -192,7 +194,7 @@ def _unknown_key_error(overrides: list[str] | tuple[str, ...]) -> str | None:
 
 _SECTION_CLASSES = {"model": "ModelConfig", "data": "DataConfig", "algorithm": "AlgorithmConfig",
                     "actor": "ActorConfig", "learner": "LearnerConfig", "transport": "TransportConfig",
-                    "weights": "WeightSyncConfig", "run": "RunConfig"}
+                    "weights": "WeightSyncConfig", "run": "RunConfig", "lora": "LoraConfig"}
 
 
 def _escape_hint(overrides: list[str] | tuple[str, ...]) -> str:

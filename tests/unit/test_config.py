@@ -221,7 +221,7 @@ def test_an_unknown_key_is_answered_first_with_our_did_you_mean_in_one_line_with
         "learner.totl_steps=3": "config key `learner.totl_steps` is unknown; did you mean learner.total_steps? (the "
                                 "keys of `learner`: LearnerConfig in dapo/config/learner.py; `dapo config` prints them all)",
         "lerner.total_steps=3": "config key `lerner.total_steps` is unknown; did you mean learner.total_steps? (the "
-                                "sections are model, data, algorithm, actor, learner, transport, weights, run; "
+                                "sections are model, data, algorithm, actor, learner, transport, weights, run, lora; "
                                 "`dapo config` prints them all)",
         "learner.qqq=1": "config key `learner.qqq` is unknown (the keys of `learner`: LearnerConfig in "
                          "dapo/config/learner.py; `dapo config` prints them all)",
