@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The device run of bench/gpu_check.py: one process per check, each under its own time limit, so a
 # hang in one (a peer that never joins) costs that check alone and the rest still report. Run from
-# the repo root on the device machine, with the wheels of bench/RESULTS.md ("GPU check on an H200")
+# the repo root on the device machine, with the wheels of bench/results/gpu_check_h200.md
 # in .whl/ (the device's python3 has torch and transformers, not the rest of dapo's imports).
 #   run(carry=[".whl"], timeout_s=540, command="bash bench/gpu_check.sh 440")
 # Writes $OUT/gpu_check.jsonl (one JSON line per check or learner variant) and $OUT/gpu_check.stderr.

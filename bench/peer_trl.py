@@ -90,25 +90,25 @@ class PeerKnobs:
 
 TUNED: dict[str, PeerKnobs] = {
     # Tuned 2026-12-02 (`vs_trl.py --tune --seeds 0 1`, fp32 / bf16 autocast x 1 / 2 threads x lr 1e-4 /
-    # 3e-4, checkpointing off; bench/RESULTS.md "dapo vs TRL"): fp32, 2 threads, lr 1e-4 won.
+    # 3e-4, checkpointing off; bench/results/vs_trl_default.md): fp32, 2 threads, lr 1e-4 won.
     "default": PeerKnobs(learning_rate=1e-4, bf16=False, gradient_checkpointing=False, threads=2),
     # Tuned 2026-12-02 15:50 UTC (`bench_long_response.py --trl-tune --seeds 0 --trl-steps 4`, quiet; bench/
-    # RESULTS.md "Generation-heavy regime"): fp32, checkpointing on, 2 threads won on trained response
+    # results/long_response.md): fp32, checkpointing on, 2 threads won on trained response
     # tokens/s (3606 against 3361 with checkpointing off: within one seed's noise, but the rule takes the
     # best); lr is dapo's (learner.lr: the benchmark measures throughput, not learning).
     "long_response": PeerKnobs(learning_rate=1e-4, bf16=False, gradient_checkpointing=True, threads=2),
     # SmolLM2-135M (experiment=smollm2_arith), 2 threads, checkpointing off: on an AMX CPU bf16 autocast was
     # the faster precision (issue 22: 43 s a batch, fp32 60 s); on the 2-vCPU EPYC with AVX512-BF16 the
-    # two tie (2026-12-02, one run each: bf16 226 / 153 s, fp32 208 / 162 / 151 s; bench/RESULTS.md "A real
-    # model"); on a CPU without bf16 hardware `tuned` makes it fp32. lr from the grid of
-    # 2026-12-05 (RESULTS "the peer's lr over 2 seeds", bf16 on the AVX512-BF16 EPYC): 5e-5 was the
+    # two tie (2026-12-02, one run each: bf16 226 / 153 s, fp32 208 / 162 / 151 s; bench/results/
+    # vs_trl_smollm2.md); on a CPU without bf16 hardware `tuned` makes it fp32. lr from the grid of
+    # 2026-12-05 (bench/results/vs_trl_smollm2.md, bf16 on the AVX512-BF16 EPYC): 5e-5 was the
     # fastest to held-out 0.8 (318 s, seed 0; seed 1 not measured), 3e-5 416 / 505 s, 1e-4 collapsed
     # after 3 batches on seed 0, 1e-5 655 s (2026-12-04).
     "smollm2_arith": PeerKnobs(learning_rate=5e-5, bf16=True, gradient_checkpointing=False, threads=2),
 }
 """The setting each comparison uses: the best of ``tune`` on that workload. To update one, run its
-tuning with ``--append bench/RESULTS.md`` on a quiet machine, paste the printed line here and say
-in its comment the date and the RESULTS.md section that holds the table."""
+tuning with ``--append bench/results/<claim>.md`` on a quiet machine, paste the printed line here and
+say in its comment the date and the result file that holds the table."""
 
 
 def tuned(workload: str) -> PeerKnobs:
