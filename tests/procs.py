@@ -5,9 +5,15 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
+import time
+
+from pathlib import Path
 
 import psutil
 import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SOAK = bool(os.environ.get("DAPO_SOAK"))
 """DAPO_SOAK=1: also run the variants CI's budget (15 minutes on 2 cores) leaves out."""
@@ -62,3 +68,48 @@ def kill_tree(proc: subprocess.Popen) -> None:
         proc.wait(30)
     except subprocess.TimeoutExpired:
         pass
+
+
+class DapoCommand:
+    """``python -m dapo.cli ARGS`` in a process group of its own, stdout and stderr to a log file; the
+    repository and tests/integration (test reward functions, environments) importable by it and its
+    children."""
+
+    def __init__(self, log: Path, *args: str) -> None:
+        self.log = log
+        # VLLM_LOGGING_LEVEL: the services' own level (an in-process `dapo eval` test may have left ERROR).
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "integration")]),
+               "VLLM_LOGGING_LEVEL": "WARNING"}
+        self.proc = subprocess.Popen([sys.executable, "-m", "dapo.cli", *args], cwd=ROOT, stdout=open(log, "w"),
+                                     stderr=subprocess.STDOUT, start_new_session=True, env=env)
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def wait_for(self, pattern: str, timeout_s: float) -> re.Match:
+        deadline = time.monotonic() + timeout_s
+        while not (found := re.search(pattern, self.text(), re.M)):
+            assert self.proc.poll() is None, f"exited {self.proc.returncode} before {pattern!r}:\n{self.text()[-3000:]}"
+            assert time.monotonic() < deadline, f"no {pattern!r} within {timeout_s}s:\n{self.text()[-3000:]}"
+            time.sleep(0.2)
+        return found
+
+    def processes(self) -> list[psutil.Process]:
+        """This command and everything it started (torchrun, ranks, actors, workers)."""
+        me = psutil.Process(self.proc.pid)
+        return [me, *me.children(recursive=True)]
+
+    def stop(self, sig: int, times: int = 1) -> None:
+        """As a terminal's Ctrl-C does: the signal goes to the whole process group."""
+        for _ in range(times):
+            os.killpg(self.proc.pid, sig)
+            time.sleep(0.1)
+
+    def exit_code(self, timeout_s: float) -> int:
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running {timeout_s}s later:\n{self.text()[-3000:]}") from None
+
+    def close(self) -> None:
+        kill_tree(self.proc)

@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.procs import free_ports, kill_tree
+from tests.procs import DapoCommand, free_ports
 
 pytestmark = pytest.mark.slow
 
@@ -43,39 +43,6 @@ def small(model: str, run_dir: Path) -> list[str]:
             "algorithm.num_prompts_per_step=2", "algorithm.num_samples_per_prompt=4", "algorithm.dynamic_sampling=false",
             "learner.eval_every_steps=0", "actor.prompts_per_lease=2", "data.builtin_num_train_prompts=2000",
             "actor.engine=torch"]
-
-
-class Command:
-    """``python -m dapo.cli ARGS`` in a session of its own; stdout and stderr to one file."""
-
-    def __init__(self, log: Path, *args: str) -> None:
-        self.log = log
-        self.proc = subprocess.Popen([sys.executable, "-m", "dapo.cli", *args], cwd=ROOT, stdout=open(log, "w"),
-                                     stderr=subprocess.STDOUT, start_new_session=True)
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def wait_for(self, pattern: str, timeout_s: float) -> re.Match:
-        deadline = time.monotonic() + timeout_s
-        while not (found := re.search(pattern, self.text(), re.M)):
-            assert self.proc.poll() is None, f"exited {self.proc.returncode} before {pattern!r}:\n{self.text()[-3000:]}"
-            assert time.monotonic() < deadline, f"no {pattern!r} within {timeout_s}s:\n{self.text()[-3000:]}"
-            time.sleep(0.2)
-        return found
-
-    def exit_code(self, timeout_s: float) -> int:
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"still running {timeout_s}s later:\n{self.text()[-3000:]}") from None
-
-    def processes(self) -> list[psutil.Process]:
-        me = psutil.Process(self.proc.pid)
-        return [me, *me.children(recursive=True)]
-
-    def close(self) -> None:
-        kill_tree(self.proc)
 
 
 @pytest.mark.timeout(300)
@@ -112,7 +79,7 @@ def test_dapo_run_refuses_bad_data_weights_resume_and_a_missing_package_in_one_l
 def test_an_actor_aimed_at_no_learner_backs_off_and_gives_up_in_one_line_naming_the_address(tmp_path, model_path):
     (port,) = free_ports(1)
     given = [o for o in small(model_path, tmp_path) if not o.startswith("transport.grpc_port=")]
-    actor = Command(tmp_path / "actor.log", "actor", "--learner", f"127.0.0.1:{port}", *given,
+    actor = DapoCommand(tmp_path / "actor.log", "actor", "--learner", f"127.0.0.1:{port}", *given,
                     "actor.connect_timeout_s=4", "actor.connect_retry_max_s=0.5", "transport.grpc_port=50999")
     try:
         assert actor.exit_code(240) == 3, actor.text()[-3000:]
@@ -133,7 +100,7 @@ def test_an_actor_aimed_at_no_learner_backs_off_and_gives_up_in_one_line_naming_
 
 @pytest.mark.timeout(420)
 def test_the_learner_says_how_to_start_an_actor_and_then_prints_a_line_per_step(tmp_path, model_path):
-    learner = Command(tmp_path / "learner.log", "learner", *small(model_path, tmp_path / "run"),
+    learner = DapoCommand(tmp_path / "learner.log", "learner", *small(model_path, tmp_path / "run"),
                       "learner.total_steps=3", "learner.checkpoint_every_steps=0")
     actor = None
     try:
@@ -142,7 +109,7 @@ def test_the_learner_says_how_to_start_an_actor_and_then_prints_a_line_per_step(
                                 r"overrides\)$", 240)
         assert hint.group(2) == model_path
         # The command the learner printed, with the overrides it was started with.
-        actor = Command(tmp_path / "actor.log", "actor", "--learner", hint.group(1), *small(model_path, tmp_path / "run"))
+        actor = DapoCommand(tmp_path / "actor.log", "actor", "--learner", hint.group(1), *small(model_path, tmp_path / "run"))
         assert learner.exit_code(300) == 0, learner.text()[-3000:]
         steps = [ln for ln in learner.text().splitlines() if ln.startswith("learner: step ")]
         assert len(steps) == 3, steps
@@ -163,7 +130,7 @@ def cmdline(p: psutil.Process) -> str:
         return ""
 
 
-def wait_for_process(cmd: Command, needle: str, timeout_s: float) -> psutil.Process:
+def wait_for_process(cmd: DapoCommand, needle: str, timeout_s: float) -> psutil.Process:
     deadline = time.monotonic() + timeout_s
     while True:
         found = [p for p in cmd.processes() if needle in cmdline(p)]
@@ -175,7 +142,7 @@ def wait_for_process(cmd: Command, needle: str, timeout_s: float) -> psutil.Proc
 
 @pytest.mark.timeout(420)
 def test_dapo_run_off_a_terminal_prints_plain_lines_and_a_second_ctrl_c_stops_at_once(tmp_path, model_path):
-    run = Command(tmp_path / "run.log", "run", *small(model_path, tmp_path / "run"), "learner.total_steps=0",
+    run = DapoCommand(tmp_path / "run.log", "run", *small(model_path, tmp_path / "run"), "learner.total_steps=0",
                   "run.progress_every_steps=2", "run.num_actors=1")
     try:
         run.wait_for(r"^dapo run: step 4 v=4 acc=", 300)
@@ -201,7 +168,7 @@ def test_dapo_run_off_a_terminal_prints_plain_lines_and_a_second_ctrl_c_stops_at
 
 @pytest.mark.timeout(420)
 def test_a_ctrl_c_during_the_export_stops_it_at_once_and_leaves_no_process(tmp_path, model_path):
-    run = Command(tmp_path / "run.log", "run", *small(model_path, tmp_path / "run"), "learner.total_steps=2",
+    run = DapoCommand(tmp_path / "run.log", "run", *small(model_path, tmp_path / "run"), "learner.total_steps=2",
                   "run.num_actors=1")
     try:
         export = wait_for_process(run, "learner.export", 360)
@@ -227,7 +194,7 @@ def test_dapo_run_stops_when_every_actor_failed_and_shows_the_actor_s_error(tmp_
     """An actor that cannot serve the run (here its environment's constructor raises at the first
     lease): dapo run stops at once, exit 1, with the actor's own error line, instead of leaving the
     learner waiting for batches until learner.batch_wait_timeout_s (600 s)."""
-    cmd = Command(tmp_path / "run.log", "run", *small(model_path, tmp_path / "run"), "run.num_actors=1",
+    cmd = DapoCommand(tmp_path / "run.log", "run", *small(model_path, tmp_path / "run"), "run.num_actors=1",
                   "actor.env=tests.sample_envs:BrokenConfigEnv", "learner.batch_wait_timeout_s=600")
     try:
         assert cmd.exit_code(200) == 1
