@@ -29,6 +29,9 @@ Deviations from the paper (each a choice the paper leaves open or a documented e
    paper and TRL's ``dr_grpo``; verl divides by token_sum_norm only (a constant factor B larger).
 6. Dynamic sampling streams: groups are filtered one by one as they arrive rather than in
    generation batches, with a budget of consecutive drops instead of verl's generation-batch cap.
+
+Beside it: dapo/corrections.py (the family of behaviour weights w_t: sequence-level, geometric, masked,
+IcePop, rejection by KL) and dapo/losses.py (GSPO and CISPO, with the same aggregation and w_t).
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ def policy_loss(
     clip_c: Optional[float] = None,
     behavior_logp: Optional[torch.Tensor] = None,
     tis_cap: Optional[float] = None,
+    is_weight: Optional[torch.Tensor] = None,
     agg: str = "token-mean",
     num_tokens: Optional[float] = None,
     num_seqs: Optional[float] = None,
@@ -99,8 +103,9 @@ def policy_loss(
     - ``behavior_logp`` + ``tis_cap``: multiply by w = min(exp(logp_prox - behavior_logp), tis_cap),
       detached. ``tis_cap=None`` with behavior_logp gives the untruncated weight; without
       ``behavior_logp`` there is no weight (w = 1, e.g. bypass mode where π_prox = μ).
+    - ``is_weight``: a behaviour weight [B, T] from dapo.corrections, used as is (detached), instead.
 
-    Aggregation (``agg``, ``num_tokens``, ``num_seqs``, ``token_sum_norm``): ``_aggregate``. With the
+    Aggregation (``agg``, ``num_tokens``, ``num_seqs``, ``token_sum_norm``): ``aggregate_loss``. With the
     global counts of the whole mini-batch, the losses (and gradients) of any split of a mini-batch
     across micro-batches and ranks sum exactly to the whole's.
 
@@ -109,7 +114,7 @@ def policy_loss(
     ``dualclip_frac``, ``approx_kl_k1`` = mean(log π_prox - log π_θ), ``approx_kl_k3`` =
     mean(u - 1 - log u), ``importance_weight_mean`` (1 without TIS), ``num_tokens`` (local).
     """
-    _check_loss_inputs(logp, logp_prox, advantages, mask, behavior_logp, agg, clip_c)
+    check_loss_inputs(logp, logp_prox, advantages, mask, behavior_logp if is_weight is None else is_weight, agg, clip_c)
     # π_prox and μ are constants of the step: a caller passing logp itself as logp_prox (the
     # on-policy shortcut) must get the policy gradient, not a ratio that is identically 1.
     logp_prox = logp_prox.detach()
@@ -121,16 +126,14 @@ def policy_loss(
     log_ratio = torch.where(m, logp - logp_prox, torch.zeros_like(logp))
     log_ratio = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)  # u_t
-    pg_loss1 = -adv * ratio
-    pg_loss2 = -adv * ratio.clamp(1 - eps_low, 1 + eps_high)
+    pg_loss1, pg_loss2 = -adv * ratio, -adv * ratio.clamp(1 - eps_low, 1 + eps_high)
     pg_loss = torch.maximum(pg_loss1, pg_loss2)
     dual = torch.zeros_like(m) if clip_c is None else (adv < 0) & (pg_loss > -adv * clip_c)
     pg_loss = torch.where(dual, -adv * clip_c, pg_loss) if clip_c is not None else pg_loss  # dual clip, Â < 0
 
-    weight = torch.ones_like(logp) if behavior_logp is None else truncated_is_weight(logp_prox, behavior_logp, m, tis_cap)
+    weight = _behavior_weight(logp, logp_prox, m, behavior_logp, tis_cap, is_weight)
     token_loss = torch.where(m, weight * pg_loss, torch.zeros_like(pg_loss))
-
-    loss = _aggregate(token_loss, mf, agg, num_tokens, num_seqs, token_sum_norm)
+    loss = aggregate_loss(token_loss, mf, agg, num_tokens, num_seqs, token_sum_norm)
 
     n_local = mf.sum()
     with torch.no_grad():
@@ -144,6 +147,15 @@ def policy_loss(
     return loss, metrics
 
 
+def _behavior_weight(logp: torch.Tensor, logp_prox: torch.Tensor, mask: torch.Tensor,
+                     behavior_logp: Optional[torch.Tensor], tis_cap: Optional[float],
+                     is_weight: Optional[torch.Tensor]) -> torch.Tensor:
+    if is_weight is not None:
+        return is_weight.detach().to(logp.dtype)
+    return torch.ones_like(logp) if behavior_logp is None else truncated_is_weight(logp_prox, behavior_logp, mask,
+                                                                                   tis_cap)
+
+
 def truncated_is_weight(logp_prox: torch.Tensor, behavior_logp: torch.Tensor, mask: torch.Tensor,
                         cap: Optional[float]) -> torch.Tensor:
     """w = min(π_prox / μ, cap) per token, detached ([B, T]; 1 where ``mask`` is off): the truncated
@@ -154,8 +166,8 @@ def truncated_is_weight(logp_prox: torch.Tensor, behavior_logp: torch.Tensor, ma
     return weight if cap is None else weight.clamp(max=cap)
 
 
-def _check_loss_inputs(logp: torch.Tensor, logp_prox: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-                       behavior_logp: Optional[torch.Tensor], agg: str, clip_c: Optional[float]) -> None:
+def check_loss_inputs(logp: torch.Tensor, logp_prox: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
+                      behavior_logp: Optional[torch.Tensor], agg: str, clip_c: Optional[float]) -> None:
     if agg not in AGG_MODES:
         raise ValueError(f"policy_loss: agg={agg!r} is not one of {AGG_MODES}; "
                          "set algorithm.loss_agg to one of them.")
@@ -170,8 +182,8 @@ def _check_loss_inputs(logp: torch.Tensor, logp_prox: torch.Tensor, advantages: 
                          f"got {tuple(advantages.shape)}")
 
 
-def _aggregate(token_loss: torch.Tensor, mf: torch.Tensor, agg: str, num_tokens: Optional[float],
-               num_seqs: Optional[float], token_sum_norm: Optional[float]) -> torch.Tensor:
+def aggregate_loss(token_loss: torch.Tensor, mf: torch.Tensor, agg: str, num_tokens: Optional[float],
+                   num_seqs: Optional[float], token_sum_norm: Optional[float]) -> torch.Tensor:
     """Aggregation of ``policy_loss`` (``agg``), with m the mask, n_i = Σ_t m_it and S the sequences
     with n_i > 0:
       token-mean               Σ_it m·L / num_tokens                       (DAPO)

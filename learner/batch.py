@@ -70,6 +70,9 @@ class SampleBatch:
     prompt_lens: torch.Tensor | None = None
     """int64 [S]: prompt length of each sequence, in tokens. With it, the sequences of a micro-batch
     that share a prompt (a group's G samples) share one copy of it (``PackedMicroBatch.pack``)."""
+    token_age: torch.Tensor | None = None
+    """int64 [T_all]: the learner's version at the step minus the policy version that sampled each
+    token, in steps (0 on prompt tokens); the trainer's diagnostics by age. None: not known (age 0)."""
 
     @property
     def num_seqs(self) -> int:
@@ -80,16 +83,19 @@ class SampleBatch:
         return _offsets(self.seq_lens)
 
 
-def from_groups(groups: list[TrajectoryGroup], algorithm: AlgorithmConfig) -> SampleBatch:
-    """Columnar batch of N groups (group i -> mini-batch i // (N / M)), with advantages.
+def from_groups(groups: list[TrajectoryGroup], algorithm: AlgorithmConfig, *, version: int | None = None
+                ) -> SampleBatch:
+    """Columnar batch of N groups (group i -> mini-batch i // (N / M)), with advantages; with the
+    learner's ``version``, each token's age (``token_age``).
 
     Overlong filtering (``algorithm.overlong_filter``) zeroes the loss mask of truncated samples;
     they still count in their group's advantage statistics, as in the paper.
     """
-    toks, seq_lens, prompt_lens, gidx, logps, masks, rewards = [], [], [], [], [], [], []
+    toks, seq_lens, prompt_lens, gidx, logps, masks, rewards, ages = [], [], [], [], [], [], [], []
     for gi, grp in enumerate(groups):
         prompt = torch.from_numpy(grp.prompt_ids.astype(np.int64))
         p = int(prompt.numel())
+        token_versions = torch.from_numpy(grp.token_versions())
         for si, sl in enumerate(grp.response_slices()):
             resp = torch.from_numpy(grp.response_ids[sl].astype(np.int64))
             mask = torch.from_numpy(grp.loss_mask[sl].astype(np.float32))
@@ -98,6 +104,7 @@ def from_groups(groups: list[TrajectoryGroup], algorithm: AlgorithmConfig) -> Sa
             toks += [prompt, resp]
             logps += [torch.zeros(p), torch.from_numpy(grp.logprobs[sl].astype(np.float32))]
             masks += [torch.zeros(p), mask]
+            ages += [torch.zeros(p, dtype=torch.int64), (version or 0) - token_versions[sl]]
             seq_lens.append(p + int(resp.numel()))
             prompt_lens.append(p)
             gidx.append(gi)
@@ -106,7 +113,8 @@ def from_groups(groups: list[TrajectoryGroup], algorithm: AlgorithmConfig) -> Sa
     adv = group_advantages(torch.cat(rewards), group_index, eps=algorithm.adv_eps,
                            std_normalize=algorithm.std_normalize)
     return SampleBatch(torch.cat(toks), torch.tensor(seq_lens, dtype=torch.int64), group_index, torch.cat(logps),
-                       torch.cat(masks), adv.float(), torch.tensor(prompt_lens, dtype=torch.int64))
+                       torch.cat(masks), adv.float(), torch.tensor(prompt_lens, dtype=torch.int64),
+                       torch.cat(ages) if version is not None else None)
 
 
 def batch_metrics(groups: list[TrajectoryGroup], version: int) -> dict[str, float]:
@@ -158,12 +166,16 @@ class RankShard:
     """Micro-batches per mini-batch, equal on every rank."""
     prompt_lens: torch.Tensor
     """int64 [S_r]: prompt length of each sequence (0 where the batch did not say: no sharing)."""
+    token_age: torch.Tensor | None = None
+    """int64 [T_r]: each token's age in steps (SampleBatch.token_age; zeros where it was not known)."""
 
     def micro(self, minibatch: int, microbatch: int) -> "PackedMicroBatch":
         sel = ((self.minibatch == minibatch) & (self.microbatch == microbatch)).nonzero().flatten()
         tok_idx = _token_index(self.seq_lens, sel.tolist())
+        age = None if self.token_age is None else self.token_age[tok_idx]
         return PackedMicroBatch.pack(self.tokens[tok_idx], self.seq_lens[sel], self.sampler_logp[tok_idx],
-                                     self.loss_mask[tok_idx], self.advantages[sel], prompt_lens=self.prompt_lens[sel])
+                                     self.loss_mask[tok_idx], self.advantages[sel], prompt_lens=self.prompt_lens[sel],
+                                     token_age=age)
 
 
 @dataclass
@@ -193,6 +205,8 @@ class PackedMicroBatch:
     [end_(j-1), end_j) with end_0 = prefix_end, attends to the whole prefix and causally to itself. A
     sequence alone is ``[start, end]``; the samples of a group, ``[prompt start, prompt end, end of the
     first response, ...]``: their prompt is in the row once."""
+    token_age: torch.Tensor | None = None
+    """int64 [K]: each loss token's age in steps (None: not known)."""
 
     @property
     def is_empty(self) -> bool:
@@ -205,7 +219,8 @@ class PackedMicroBatch:
 
     @staticmethod
     def pack(tokens: torch.Tensor, seq_lens: torch.Tensor, sampler_logp: torch.Tensor, loss_mask: torch.Tensor,
-             advantages: torch.Tensor, *, prompt_lens: torch.Tensor | None = None) -> "PackedMicroBatch":
+             advantages: torch.Tensor, *, prompt_lens: torch.Tensor | None = None,
+             token_age: torch.Tensor | None = None) -> "PackedMicroBatch":
         """Sequences with the same prompt ids (``prompt_lens`` > 0) share one copy of the prompt: each
         response continues at position ``prompt_len`` after it, and its first token is predicted from the
         prompt's last position, as in the sampler. The log-prob of every response token is the same
@@ -216,7 +231,7 @@ class PackedMicroBatch:
         if num_seqs == 0:  # keeps FSDP's collectives in step; see the module docstring
             z = torch.zeros(0, dtype=torch.int64)
             return PackedMicroBatch(torch.zeros(1, 1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int64),
-                                    z, z, z, z, torch.zeros(0), torch.zeros(0), 0, 0)
+                                    z, z, z, z, torch.zeros(0), torch.zeros(0), 0, 0, token_age=z)
         offsets, lens = _offsets(seq_lens).tolist(), seq_lens.tolist()
         plens = prompt_lens.tolist() if prompt_lens is not None else [0] * num_seqs
         by_prompt: dict[tuple, list[int]] = {}  # first-seen order
@@ -259,7 +274,8 @@ class PackedMicroBatch:
         slot = k - torch.cummax(torch.where(run_start, k, 0), 0).values if seq_of.numel() else k
         return PackedMicroBatch(row_ids.view(1, -1), torch.cat(pos).view(1, -1), torch.cat(loss_pred), row_ids[rows],
                                 seq_of, slot, sampler_logp[src_idx][rows].float(), advantages.float(), num_seqs,
-                                int(counts.max()) if rows.numel() else 0, spans)
+                                int(counts.max()) if rows.numel() else 0, spans,
+                                None if token_age is None else token_age[src_idx][rows])
 
     def to_rows(self, values: torch.Tensor) -> torch.Tensor:
         """[K] per-token values -> [S, L] rows (zeros where no loss token), for policy_loss."""
@@ -310,8 +326,9 @@ def _shard_tensors(batch: SampleBatch, sel: torch.Tensor, minibatch: torch.Tenso
     order = sel[torch.argsort(minibatch[sel] * (1 << 20) + micro[sel], stable=True)]
     tok_idx = _token_index(batch.seq_lens, order.tolist())
     prompt_lens = batch.prompt_lens if batch.prompt_lens is not None else torch.zeros_like(batch.seq_lens)
+    ages = batch.token_age if batch.token_age is not None else torch.zeros_like(batch.tokens)
     ints = torch.cat([torch.stack([batch.seq_lens[order], minibatch[order], micro[order], prompt_lens[order]],
-                                  1).flatten(), batch.tokens[tok_idx]])
+                                  1).flatten(), batch.tokens[tok_idx], ages[tok_idx]])
     floats = torch.cat([batch.advantages[order].float(), batch.sampler_logp[tok_idx].float(),
                         batch.loss_mask[tok_idx].float()])
     return ints, floats
@@ -321,9 +338,10 @@ def _unpack(ints: torch.Tensor, floats: torch.Tensor, n_seq: int, num_minibatche
     meta = ints[:n_seq * _INT_COLS].view(n_seq, _INT_COLS)
     n_tok = int(meta[:, 0].sum())
     tokens = ints[n_seq * _INT_COLS:n_seq * _INT_COLS + n_tok]
+    ages = ints[n_seq * _INT_COLS + n_tok:n_seq * _INT_COLS + 2 * n_tok]  # token ages ride with the tokens
     return RankShard(tokens.clone(), meta[:, 0].clone(), meta[:, 1].clone(), meta[:, 2].clone(),
                      floats[n_seq:n_seq + n_tok].clone(), floats[n_seq + n_tok:n_seq + 2 * n_tok].clone(),
-                     floats[:n_seq].clone(), num_minibatches, num_micro, meta[:, 3].clone())
+                     floats[:n_seq].clone(), num_minibatches, num_micro, meta[:, 3].clone(), ages.clone())
 
 
 def shard_local(batch: SampleBatch, *, num_minibatches: int, world_size: int, rank: int,

@@ -17,6 +17,9 @@ signal history (the replay queue reports every settled group's signal) and skips
 prompts whose recent groups carried no signal; counters ``prompts_skipped/<reason>``,
 ``prompts_retired`` and ``prompts_returned``, per-step figures from ``selection_metrics``.
 
+Controlled lag (``algorithm.controlled_lag_steps``, learner/lag.py): the lease capacity of an actor
+is also capped by its weights' quota, what the lag's schedule will train from them.
+
 Held-out evaluation through the actors (``learner.eval_on=actors``): eval jobs and their eval
 leases (learner/eval_jobs.py), handed out with Lease replies, outside the ledger and the slots.
 
@@ -34,9 +37,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from dapo.config import DapoConfig
+from dapo.lag import LagSchedule
 from dapo.selection import SKIP_REASONS, SelectionRule
 from learner.admission import Admission
 from learner.eval_jobs import EvalJobs, EvalPrompt, EvalScore
+from learner.lag import LagBook
 from learner.leases import HeartbeatReply, Lease, LeaseReply, LeaseResult
 from learner.ledger import SETTLED, PromptLedger, PromptSource
 from learner.registry import ActorInfo, ActorRegistry, UnknownActor
@@ -47,14 +52,16 @@ class Coordinator:
                  queue_max_groups: int, heartbeat_timeout_s: float, lease_timeout_s: float,
                  lease_retry_after_s: float = 0.25, seed: int = 0, max_epochs: int = 0,
                  eval_jobs: EvalJobs | None = None, selection: SelectionRule | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """``selection``: the selective-leasing rule (None: every prompt is leased)."""
+                 lag: LagSchedule | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        """``selection``: the selective-leasing rule (None: every prompt is leased); ``lag``: the
+        controlled lag's schedule (None: none; learner/lag.py)."""
         if queue_max_groups < 1:
             raise ValueError(f"Coordinator: need queue_max_groups >= 1, got {queue_max_groups}")
         self.admission = Admission(num_prompts_per_step, max_staleness_steps)
         self.ledger = PromptLedger(source, seed=seed, max_epochs=max_epochs, selection=selection,
                                    on_skip=lambda reason: self._count(f"prompts_skipped/{reason}"))
         self.registry = ActorRegistry(heartbeat_timeout_s, clock)
+        self.lag = LagBook(lag) if lag is not None else None
         self.queue_max_groups = queue_max_groups
         self.lease_timeout_s = lease_timeout_s
         self.lease_retry_after_s = lease_retry_after_s
@@ -79,7 +86,8 @@ class Coordinator:
         return cls(source, num_prompts_per_step=a.num_prompts_per_step, max_staleness_steps=a.max_staleness_steps,
                    queue_max_groups=t.queue_max_groups, heartbeat_timeout_s=t.heartbeat_timeout_s,
                    lease_timeout_s=t.lease_timeout_s, lease_retry_after_s=t.lease_retry_after_s,
-                   seed=cfg.run.seed, eval_jobs=eval_jobs, selection=SelectionRule.from_config(a), **kwargs)
+                   seed=cfg.run.seed, eval_jobs=eval_jobs, selection=SelectionRule.from_config(a),
+                   lag=LagSchedule.from_config(a, seed=cfg.run.seed), **kwargs)
 
     @property
     def newest_version(self) -> int:
@@ -168,6 +176,8 @@ class Coordinator:
             actor.weight_version = weight_version
             ledger, admission = self.ledger, self.admission
             slots = admission.lease_capacity(self.version, weight_version, ledger.used_slots)
+            if self.lag is not None:  # its quota per version is a stricter form of the same bound
+                slots = min(slots, self.lag.capacity(weight_version, self.version))
             usable = admission.weights_usable(weight_version, self.version, self.newest_version)
             # The first binding limit is the reason reported when fewer than asked are granted.
             # Ties go to the earlier entry: an actionable reason (shut down, load weights) first.
@@ -182,6 +192,8 @@ class Coordinator:
                     denial = "data_exhausted"
                     break
                 actor.lease_ids.add(lease.lease_id)
+                if self.lag is not None:
+                    self.lag.issued(lease.lease_id, weight_version)
                 self._count("leases_issued")
                 grants.append(ledger.grant(lease))
             if denial:
@@ -278,8 +290,16 @@ class Coordinator:
             for change in self.ledger.settle(prompt_ids, outcome, signals):
                 if change:
                     self._count(f"prompts_{change}")
+            if self.lag is not None:
+                self.lag.settled(prompt_ids, outcome)
             name = {"filtered": "groups_filtered", "stale": "groups_requeued_stale", "trained": "groups_trained"}
             self._count(name[outcome], len(prompt_ids))
+
+    def lag_version_of(self, prompt_id: int) -> int:
+        """Controlled lag: the weights an accepted, untrained prompt was leased with (learner/lag.py)."""
+        with self._lock:
+            assert self.lag is not None
+            return self.lag.version_of(prompt_id)
 
     def selection_metrics(self) -> dict[str, float]:
         """Selective leasing's figures for a step record (the learner calls it once per step):
@@ -374,6 +394,8 @@ class Coordinator:
         with self._lock:
             self.ledger.load_state_dict(state)
             self.version = self._publishing = state["version"]
+            if self.lag is not None:
+                self.lag.restart(self.version)
             self._counters = dict(state["counters"])
             self._window = dict(self._counters)  # the first step after a resume counts from here
 
@@ -409,6 +431,8 @@ class Coordinator:
 
     def _end_lease_locked(self, lease: Lease, *, accepted: bool) -> None:
         self.ledger.end(lease, accepted=accepted)
+        if self.lag is not None:
+            self.lag.ended(lease.lease_id, lease.prompt_id, accepted=accepted)
         actor = self.registry.actors.get(lease.actor_id)
         if actor is not None:
             actor.lease_ids.discard(lease.lease_id)

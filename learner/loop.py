@@ -76,7 +76,7 @@ def run(cfg: DapoConfig, trainer: Trainer, services: Rank0Services | None, *, st
         if groups is None:
             break
         with timed(t, "scatter"):
-            batch = from_groups(groups, cfg.algorithm) if services else None
+            batch = from_groups(groups, cfg.algorithm, version=step) if services else None  # step = version trained at
             shard = scatter_batch(batch, num_minibatches=cfg.algorithm.num_minibatches_per_step,
                                   max_tokens_per_microbatch=cfg.learner.max_tokens_per_microbatch,
                                   device=trainer.device)

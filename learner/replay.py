@@ -49,6 +49,7 @@ from dapo.config import DapoConfig
 from dapo.selection import group_signal
 from dapo.wire import NUM_FRAMES, LeaseRef, TrajectoryGroup, WireError, decode_group, named_lease
 from learner.coordinator import Coordinator
+from learner.lag import LagGate, single_version
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,8 @@ class ReplayBuffer:
         self.limits = limits
         self.max_groups = max_groups
         self.filter = dynamic_filter
+        # Controlled lag (learner/lag.py): batches by the schedule instead of oldest first.
+        self.lag_gate = LagGate(coordinator.lag.schedule) if coordinator.lag is not None else None
         self._groups: deque[TrajectoryGroup] = deque()
         self._cond = threading.Condition()  # guards _groups, the filter, _stalled, _want
         self._count_cond = threading.Condition()  # guards counts; separate so counting wakes no consumer
@@ -144,6 +147,9 @@ class ReplayBuffer:
         if self.admission.from_the_future(group, coord.newest_version):
             coord.settle([group.prompt_id], "stale")
             return self._drop("future_version")
+        if coord.lag is not None and single_version(group) != coord.lag_version_of(group.prompt_id):
+            coord.settle([group.prompt_id], "stale")  # its weights are not its lease's: generated again
+            return self._drop("lag_version_mismatch")
         with self._cond:  # the filter's state is shared with take_batch
             try:
                 keep = self.filter.offer(group.acc)
@@ -171,6 +177,8 @@ class ReplayBuffer:
     def take_batch(self, timeout_s: float) -> list[TrajectoryGroup]:
         """N groups no older than k versions at the coordinator's current version; raises
         TimeoutError after ``timeout_s`` (groups taken so far go back) or DynamicSamplingStalled."""
+        if self.lag_gate is not None:
+            return self._take_lagged(timeout_s)
         deadline = time.monotonic() + timeout_s
         batch: list[TrajectoryGroup] = []
         coord, n = self.coordinator, self.admission.num_groups_per_step
@@ -200,12 +208,44 @@ class ReplayBuffer:
                 self._want = n - len(batch)
                 self._cond.wait(remaining)
                 self._want = 0
-            self.staleness_hist.update(coord.version - g.min_version for g in batch)
-            coord.settle([g.prompt_id for g in batch], "trained", [group_signal(g.acc) for g in batch])
-            if self.filter.batch_full:
-                self.last_filter_stats = self.filter.take_batch()
-            self._cond.notify_all()
+            self._hand_over(batch)
         return batch
+
+    def _take_lagged(self, timeout_s: float) -> list[TrajectoryGroup]:
+        """``take_batch`` under the controlled lag: the groups the schedule names for this version
+        (learner/lag.py), once every group generated with this version is in."""
+        deadline = time.monotonic() + timeout_s
+        coord = self.coordinator
+        assert self.lag_gate is not None
+        with self._cond:
+            while (picks := self.lag_gate.pick(self._groups, coord.version)) is None:
+                if self._stalled is not None:
+                    exc, self._stalled = self._stalled, None
+                    raise exc
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._closed:
+                    raise TimeoutError(f"replay queue: {self.lag_gate.waiting_for(self._groups, coord.version)} "
+                                       f"(counters {self.counts}); are actors running and registered? or raise "
+                                       f"learner.batch_wait_timeout_s")
+                self._want = 1  # any new group may complete the version
+                self._cond.wait(remaining)
+                self._want = 0
+            batch = [self._groups[i] for i in picks]
+            chosen = set(picks)
+            self._groups = deque(g for i, g in enumerate(self._groups) if i not in chosen)
+            # The schedule's ages never exceed max_staleness_steps (AlgorithmConfig checks it).
+            assert all(self.admission.fresh_at_consumption(g.min_version, coord.version) for g in batch)
+            self._hand_over(batch)
+        return batch
+
+    def _hand_over(self, batch: list[TrajectoryGroup]) -> None:
+        """The batch leaves the queue for the learner (under ``_cond``)."""
+        coord = self.coordinator
+        self.staleness_hist.update(coord.version - g.min_version for g in batch)
+        coord.settle([g.prompt_id for g in batch], "trained", [group_signal(g.acc) for g in batch])
+        if self.filter.batch_full:
+            self.last_filter_stats = self.filter.take_batch()
+        self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:

@@ -6,10 +6,11 @@ One training step on one rank (every rank runs the same sequence of collectives)
  RankShard ──> recompute π_prox (no grad, current weights; or the sampler's log-probs in bypass)
    for each mini-batch m:
        all-reduce [loss tokens, sequences] of m over ranks           (one tiny collective)
-       for each micro-batch u: forward packed row -> log-probs -> policy_loss(num_tokens=global)
+       for each micro-batch u: forward packed row -> log-probs -> correction + loss (num_tokens=global,
+                               learner/offpolicy.py: algorithm.is_correction, algorithm.policy_loss)
                                -> backward (FSDP reduce-scatters, grads accumulate)
        clip grad norm, AdamW step, zero grads
-   all-reduce the step's metric sums once
+   all-reduce the step's metric sums and its off-policy diagnostics by age once
 ```
 
 Exactness: each micro-batch's loss is Σ(its token losses) / (tokens of the whole mini-batch on all
@@ -51,13 +52,13 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from dapo.algorithm import loss_kwargs, policy_loss
 from dapo.config import DEVICE_DIRECT_BACKENDS, AlgorithmConfig, DapoConfig, LearnerConfig, LoraConfig
 from dapo.lora import apply_lora, is_lora_model
 from learner.attention import packed_attention
 from learner.batch import PackedMicroBatch, RankShard
 from learner.lora import adapter_state_dict, split_base, trainable_parameters
 from learner.logprobs import LogprobHead, install_logprob_head
+from learner.offpolicy import OffPolicyStep
 from learner.precision import has_native_bf16, resolve_compute_dtype
 
 if TYPE_CHECKING:
@@ -218,7 +219,7 @@ class Trainer:
         # Linear warm-up per training step (the paper: 20 rollout steps), then constant.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
-        self.loss_kwargs = loss_kwargs(settings.algorithm)
+        self.offpolicy = OffPolicyStep(settings.algorithm, device)
 
     def logprobs(self, mb: PackedMicroBatch, *, with_entropy: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -281,7 +282,7 @@ class Trainer:
         """Accumulate the gradients of one mini-batch; returns this rank's share of its loss."""
         mbs = [shard.micro(minibatch, u) for u in range(shard.num_microbatches)]
         # (loss tokens, sequences with loss tokens) of the whole mini-batch on all ranks: one all-reduce.
-        tokens, seqs = sum(mb.target_ids.numel() for mb in mbs), sum(mb.seq_of_token.unique().numel() for mb in mbs)
+        tokens, seqs = self.offpolicy.counts(mbs, [prox.get((minibatch, u)) for u in range(len(mbs))])
         counts = torch.tensor([tokens, seqs], dtype=torch.float64, device=self.device)
         dist.all_reduce(counts)
         num_tokens, num_seqs = counts.tolist()
@@ -294,12 +295,8 @@ class Trainer:
             # Absent: π_prox is this very forward (the first mini-batch, see recompute_prox).
             logp_prox = prox[(minibatch, u)] if (minibatch, u) in prox else logp.detach()
             sampler = mb.sampler_logp.to(self.device)
-            mask = mb.to_rows(torch.ones(mb.target_ids.numel())).to(self.device)
-            loss, metrics = policy_loss(
-                mb.to_rows(logp), mb.to_rows(logp_prox), mb.advantages.to(self.device), mask,
-                behavior_logp=mb.to_rows(sampler) if self.settings.algorithm.prox_logp == "recompute" else None,
-                num_tokens=num_tokens, num_seqs=num_seqs, token_sum_norm=self.settings.token_sum_norm,
-                **self.loss_kwargs)
+            loss, metrics = self.offpolicy.loss(mb, logp, logp_prox, num_tokens=num_tokens, num_seqs=num_seqs,
+                                                token_sum_norm=self.settings.token_sum_norm)
             (loss * self.world_size).backward()
             loss = loss.detach()
             rank_loss += float(loss)
@@ -332,6 +329,7 @@ class Trainer:
         t0 = time.perf_counter()
         # Recompute mode reuses mini-batch 0's loss forward as its π_prox, unless LoRA dropout makes that forward random.
         reuse = self.settings.algorithm.prox_logp == "recompute" and not (self.lora and self.settings.lora.dropout > 0)
+        reuse = reuse and not self.offpolicy.needs_prox_first  # masked IS counts its kept tokens from π_prox first
         prox = self.recompute_prox(shard, first_minibatch=int(reuse))
         prox_s = time.perf_counter() - t0
         sums = dict.fromkeys(_SUMS, 0.0)
@@ -349,6 +347,7 @@ class Trainer:
         out.update({"train/loss": tot["loss"] / shard.num_minibatches, "train/loss_tokens": tot["tokens"],
                     "train/grad_norm": sum(grad_norms) / len(grad_norms), "train/grad_norm_max": max(grad_norms),
                     "train/lr": lr, "train/num_updates": float(shard.num_minibatches), "time/prox_logp_s": prox_s})
+        out.update(self.offpolicy.reduce())
         return out
 
     def version_state_dict(self) -> dict[str, torch.Tensor]:

@@ -127,3 +127,24 @@ def test_the_actors_loss_mask_and_log_probs_are_taken_per_token():
     assert batch.loss_mask.tolist() == [0, 1, 0, 1, 0, 0, 1]
     d = 1 / (math.sqrt(2) + EPS)  # rewards (1, -1): mean 0, unbiased std sqrt(2)
     np.testing.assert_allclose(batch.advantages.numpy(), [d, -d], rtol=1e-6)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_each_loss_token_carries_its_age_through_packing(world_size):
+    """Age = the learner's version minus the token's own version (per token: a version change mid-sample
+    counts from its position), 0 on prompt tokens; packing keeps it beside its token."""
+    import dataclasses
+
+    groups = three_groups()
+    groups[0] = dataclasses.replace(groups[0], versions=np.array([3, 4, 5], np.int64),
+                                    version_changes=np.array([[0, 2, 4]], np.int64))  # sample 0: 3, 3, 4
+    batch = from_groups(groups, alg(), version=6)
+    ages = {int(t): int(a) for t, a, m in zip(batch.tokens, batch.token_age, batch.loss_mask) if m > 0}
+    assert [ages[t] for t in (11, 12, 13, 14, 15, 16)] == [3, 3, 2, 2, 1, 1] and ages[21] == 6
+    assert batch.token_age[batch.loss_mask == 0].abs().sum() == 0
+    assert from_groups(groups, alg()).token_age is None
+    for rank in range(world_size):
+        shard = shard_local(batch, num_minibatches=1, world_size=world_size, rank=rank, max_tokens_per_microbatch=7)
+        for u in range(shard.num_microbatches):
+            mb = shard.micro(0, u)
+            assert [ages[int(t)] for t in mb.target_ids] == mb.token_age.tolist()
