@@ -145,3 +145,31 @@ def heldout_mismatch(data: str, eval_path: str) -> str | None:
 def _get(cfg: DapoConfig, key: str) -> Any:
     section, name = key.split(".")
     return getattr(getattr(cfg, section), name)
+
+
+def adapter_of(model: str) -> tuple[str, Path | None]:
+    """(the model folder to build the engine from, the peft adapter folder to apply or None). A folder with
+    ``adapter_config.json`` (a LoRA run's weight snapshot, or ``OUT/adapter`` of its export) is the
+    adapters alone: its base is the folder its ``base_model_name_or_path`` names."""
+    folder = Path(model)
+    if not (folder / "adapter_config.json").is_file():
+        return model, None
+    base = json.loads((folder / "adapter_config.json").read_text()).get("base_model_name_or_path") or ""
+    if not (Path(base) / "config.json").is_file():
+        raise ValueError(f"{model} holds LoRA adapters of the base model {base!r}, which is not a model folder "
+                         f"here; evaluate the merged export instead (`dapo export` writes it beside the adapter)")
+    return base, folder
+
+
+def apply_adapter(engine, adapter: Path) -> None:
+    """Load the peft adapter folder ``adapter`` into ``engine`` (built with its ``lora`` settings) as version 0."""
+    from safetensors.torch import load_file
+
+    engine.load_weights(load_file(str(adapter / "adapter_model.safetensors")), 0)
+
+
+def adapter_lora(adapter: Path | None):
+    """The engine's ``lora`` settings for ``adapter`` (None: no adapter)."""
+    from dapo.lora import lora_from_adapter_config
+
+    return lora_from_adapter_config(json.loads((adapter / "adapter_config.json").read_text())) if adapter else None

@@ -36,8 +36,8 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from actors.eval_settings import (check_report_path, eval_config, fill_sampling, heldout_mismatch, model_settings,
-                                  settings_line, truncation_warning)
+from actors.eval_settings import (adapter_lora, adapter_of, apply_adapter, check_report_path, eval_config,
+                                  fill_sampling, heldout_mismatch, model_settings, settings_line, truncation_warning)
 from dapo import rewards
 from dapo.data import BUILTIN_TASKS, TEMPLATES, Prompt, PromptDataset, rows_for
 from dapo.envs import env_spec
@@ -315,6 +315,8 @@ class EvalInputs:
     """Seconds spent here (model resolution, tokenizer, rendering)."""
     settings: dict[str, Any] = field(default_factory=dict)
     """Where the sampling settings came from ({from, flags}: actors/eval_settings.py)."""
+    adapter: Path | None = None
+    """A peft adapter folder applied to ``model_path`` (MODEL was a LoRA run's adapters)."""
 
 
 def prepare(args: argparse.Namespace) -> EvalInputs:
@@ -322,6 +324,7 @@ def prepare(args: argparse.Namespace) -> EvalInputs:
     and lengths."""
     t_start = time.perf_counter()
     model, cfg, source, from_run = eval_config(args.model, args.overrides)
+    model, adapter = adapter_of(model)
     flags = fill_sampling(args, cfg, from_run)
     cfg.model = replace(cfg.model, path=model)  # re-validates the model group
     rows = rows_for(args.data, "eval", cfg)  # before the slow imports and the model
@@ -348,7 +351,7 @@ def prepare(args: argparse.Namespace) -> EvalInputs:
         log.warning("skipped %d prompts longer than %d tokens (ids %s): the report covers the other %d",
                     len(skipped), limit_tokens - max_response_tokens, skipped, len(prompts))
     return EvalInputs(cfg, model_path, tokenizer, prompts, skipped, max_response_tokens,
-                      dtype, time.perf_counter() - t_start, {"from": source, "flags": flags})
+                      dtype, time.perf_counter() - t_start, {"from": source, "flags": flags}, adapter)
 
 
 def make_eval_engine(args: argparse.Namespace, inputs: EvalInputs) -> Any:
@@ -358,8 +361,11 @@ def make_eval_engine(args: argparse.Namespace, inputs: EvalInputs) -> Any:
 
     # A context no longer than needed: vLLM reserves KV cache for one full-length sequence.
     max_model_len = max(len(p.prompt_token_ids) for p in inputs.prompts) + inputs.max_response_tokens
-    return make_engine("vllm", str(inputs.model_path), dtype=inputs.dtype, max_model_len_tokens=max_model_len,
-                       seed=args.seed)
+    engine = make_engine("vllm", str(inputs.model_path), dtype=inputs.dtype, max_model_len_tokens=max_model_len,
+                         seed=args.seed, lora=adapter_lora(inputs.adapter))
+    if inputs.adapter is not None:
+        apply_adapter(engine, inputs.adapter)
+    return engine
 
 
 def run_eval(args: argparse.Namespace, inputs: EvalInputs, engine: Any = None) -> dict[str, Any]:

@@ -56,6 +56,7 @@ from actors.transports.base import Follower
 from actors.verifier import Verifier
 from dapo.algorithm import overlong_penalty
 from dapo.config import DapoConfig
+from dapo.config.lora import lora_mismatch
 from dapo.envs import env_spec
 from dapo.heap import trim_free_heap
 from dapo.wire import TrajectoryGroup, encode_group
@@ -452,6 +453,8 @@ class Actor:
         if run.weight_backend not in RECEIVERS:
             raise ValueError(f"the learner sends weights with backend {run.weight_backend!r}, which this actor "
                              f"cannot receive (it has {', '.join(RECEIVERS)}); run one dapo version on both sides")
+        if mismatch := lora_mismatch(self.cfg.lora, run.lora_adapter_config):
+            raise ValueError(mismatch)
         longest = self.cfg.data.max_prompt_tokens + run.max_response_tokens
         if longest > self.cfg.model.max_model_len_tokens:
             raise ValueError(f"the learner's max_response_tokens={run.max_response_tokens} plus this actor's "

@@ -132,7 +132,7 @@ def build_engine(cfg):
                          max_model_len_tokens=cfg.model.max_model_len_tokens, seed=cfg.actor.seed,
                          enforce_eager=cfg.actor.enforce_eager,
                          tensor_parallel_size=cfg.actor.tensor_parallel_size,
-                         load_timeout_s=cfg.weights.sync_timeout_s)
+                         load_timeout_s=cfg.weights.sync_timeout_s, lora=cfg.lora)
     return cfg, engine, AutoTokenizer.from_pretrained(model_path)
 
 

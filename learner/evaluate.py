@@ -29,7 +29,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from dapo.config import DapoConfig
+from dapo.config import DapoConfig, LoraConfig
+from dapo.lora import apply_lora, load_adapter_
 from dapo.evaluation import sampled_accuracy
 from dapo.rewards import ScoreFn, load_reward_fn
 
@@ -64,7 +65,7 @@ class Evaluator:
         self._conn, child_end = multiprocessing.Pipe()
         self._proc = multiprocessing.get_context("fork").Process(
             target=_serve, args=(child_end, self._conn, str(model_path), tokenizer, prompts, score_fn,
-                                 cfg.actor.max_response_tokens, cfg.actor.temperature, cfg.learner.seed),
+                                 cfg.actor.max_response_tokens, cfg.actor.temperature, cfg.learner.seed, cfg.lora),
             name=PROCESS_NAME, daemon=True)
         # Signals blocked across the fork: one that arrives before the child has reset its handlers
         # (see _serve) waits for it instead of running the learner's StopFlag handler in the child.
@@ -158,7 +159,8 @@ def _with_deadline(score_fn: ScoreFn, timeout_s: float) -> ScoreFn:
 
 
 def _serve(conn: Connection, parent_end: Connection, model_path: str, tokenizer: Any, prompts: list,
-           score_fn: ScoreFn, max_new_tokens: int, temperature: float, seed: int) -> None:
+           score_fn: ScoreFn, max_new_tokens: int, temperature: float, seed: int, lora: LoraConfig | None = None
+           ) -> None:
     """The child: for each (version, weights) received, load and evaluate them, until EOF."""
     # First: the learner's stop handlers (StopFlag) came with the fork and would make the child ignore
     # SIGTERM (multiprocessing's exit hook terminate()s, then joins without a timeout); and while the
@@ -176,6 +178,8 @@ def _serve(conn: Connection, parent_end: Connection, model_path: str, tokenizer:
     set_process_name(PROCESS_NAME)
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="sdpa").eval()
+    if lora is not None and lora.enabled:  # a LoRA run publishes adapters: the base is this model's own
+        model = apply_lora(model, lora).eval()
     while True:
         try:
             version = json.loads(conn.recv_bytes())["version"]
@@ -184,8 +188,10 @@ def _serve(conn: Connection, parent_end: Connection, model_path: str, tokenizer:
             return
         t0 = time.perf_counter()
         try:
-            # strict=False: the published dict omits the tied lm_head copy (it is the embedding).
-            model.load_state_dict(weights, strict=False)
+            if lora is not None and lora.enabled:
+                load_adapter_(model, weights)
+            else:  # strict=False: the published dict omits the tied lm_head copy (it is the embedding).
+                model.load_state_dict(weights, strict=False)
             # batch_size 128: the whole built-in held-out set in one generate call, half the decoding steps of 64.
             r = sampled_accuracy(model, tokenizer, prompts, score_fn=score_fn, max_new_tokens=max_new_tokens,
                                  temperature=temperature, batch_size=128, seed=seed)

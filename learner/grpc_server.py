@@ -17,6 +17,7 @@ until one is set, the weight RPCs answer UNAVAILABLE.
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import socket
 import threading
@@ -28,6 +29,8 @@ from typing import Any, Callable, Iterator, Protocol
 import grpc
 
 from dapo.config import DapoConfig
+from dapo.config.lora import peft_adapter_config
+from dapo.weights import BASE_VERSION
 from learner.coordinator import Coordinator
 from learner.eval_jobs import EvalScore
 from learner.leases import LEASE_DENIALS, LeaseResult
@@ -199,7 +202,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             temperature=act.temperature, top_p=act.top_p, overlong_punishment=a.overlong_punishment,
             overlong_cache_tokens=a.overlong_cache_tokens, prompts_per_lease=act.prompts_per_lease,
             heartbeat_interval_s=act.heartbeat_interval_s, weight_backend=self.cfg.weights.backend,
-            rpc_timeout_s=self.cfg.transport.rpc_timeout_s)
+            rpc_timeout_s=self.cfg.transport.rpc_timeout_s,
+            lora_adapter_config=json.dumps(peft_adapter_config(self.cfg.lora)) if self.cfg.lora.enabled else "")
 
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.RegisterResponse:
         _require(len(request.actor_name) <= MAX_NAME_CHARS, f"actor_name longer than {MAX_NAME_CHARS} characters")
@@ -329,8 +333,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
 
     def FetchWeights(self, request: pb.FetchWeightsRequest, context: grpc.ServicerContext) -> Iterator[pb.WeightChunk]:
         source, info = self._weights()
+        _require(request.version >= BASE_VERSION, f"version = {request.version}, expected >= 0 (or {BASE_VERSION}: "
+                                                  "the base weights of a LoRA run)")
+        if request.version == BASE_VERSION:  # a LoRA run's base: its own size
+            _require(info.HasField("base"), f"version {BASE_VERSION} (base weights) asked of a run without LoRA")
+            info = info.base
         chunk, total = info.chunk_bytes, info.total_bytes
-        _require(request.version >= 0, f"version = {request.version}, expected >= 0")
         _require(0 <= request.offset_bytes < total and request.offset_bytes % chunk == 0,
                  f"offset_bytes = {request.offset_bytes}, expected a multiple of {chunk} below {total}")
         end = total if request.length_bytes == 0 else request.offset_bytes + request.length_bytes

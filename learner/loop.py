@@ -83,7 +83,7 @@ def run(cfg: DapoConfig, trainer: Trainer, services: Rank0Services | None, *, st
         with timed(t, "train"):
             train = trainer.train_step(shard)
         with timed(t, "gather"):
-            state_dict = trainer.full_state_dict()
+            state_dict = trainer.version_state_dict()  # with LoRA the adapters alone
         step += 1
         if services and cfg.learner.save_weights_every_steps and step % cfg.learner.save_weights_every_steps == 0:
             with timed(t, "save_weights"):

@@ -55,7 +55,12 @@ def main(argv: list[str]) -> int:
     history = continue_history(cfg.run.run_dir, start_step) if dist.get_rank() == 0 and cfg.learner.resume \
         else History()
     services = start_services(cfg, model_path, run_state, device) if dist.get_rank() == 0 else None
-    state_dict = trainer.full_state_dict()  # version start_step, so actors can sync before step 1
+    if trainer.lora:  # the frozen base, published once: an actor fetches it when it joins
+        base = trainer.base_state_dict()
+        if services is not None:
+            services.publisher.publish_base(base)
+        del base
+    state_dict = trainer.version_state_dict()  # version start_step, so actors can sync before step 1
     if services is not None:
         loop.publish_initial(services, state_dict, start_step, log_record=not history.has_step)
         if loop.snapshot_due(cfg, start_step):

@@ -12,6 +12,10 @@
    └── senders (learner/transports/ SENDERS[weights.backend]): side_channel (TCP pull), collective,
        cuda_ipc
 ```
+
+LoRA runs: ``publish_base`` stores the frozen base once (version BASE_VERSION, served by the pull
+paths only: side channel and FetchWeights); every ``publish`` then carries the adapters alone, its
+manifest naming the base (``base_checksum``), and goes out on every backend as a version does.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Mapping
 import torch
 
 from dapo.config import DEVICE_DIRECT_BACKENDS
-from dapo.weights import flatten_state_dict, layout
+from dapo.weights import BASE_VERSION, WeightManifest, flatten_state_dict, layout
 from learner.transports import SENDERS, SenderOptions, WeightSender, WeightSyncError
 from learner.version_store import VersionStore
 from protos import coordinator_pb2 as pb
@@ -56,14 +60,25 @@ class WeightPublisher:
         total = max((e.offset_bytes + e.nbytes for e in layout(state_dict, self.dtype)), default=0)
         first = next(iter(state_dict.values()), None)
         device = first.device if self.direct and first is not None else torch.device("cpu")
+        base = self.store.base()
         buf, manifest = flatten_state_dict(state_dict, version=version, chunk_bytes=self.chunk_bytes, dtype=self.dtype,
                                            out=self.store.spare_buffer(total, device), device=device,
-                                           checksum=self.host_checksum if device.type == "cpu" else "sum64")
+                                           checksum=self.host_checksum if device.type == "cpu" else "sum64",
+                                           base_checksum=base.version_checksum if base is not None else "")
         self.store.put(buf, manifest)
         out = {"time/serialise_s": time.perf_counter() - t0, "weights/bytes": float(manifest.total_bytes),
                "weights/version": float(version)}
         self.errors = {}
         return out | self._fan_out(lambda sender: sender.publish(buf, manifest))
+
+    def publish_base(self, state_dict: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        """LoRA: hold the frozen base weights (HF names of the plain model) as version BASE_VERSION, in
+        host memory (an actor fetches it once, when it joins), before the first adapter version."""
+        t0 = time.perf_counter()
+        buf, manifest = flatten_state_dict(state_dict, version=BASE_VERSION, chunk_bytes=self.chunk_bytes,
+                                           dtype=self.dtype, checksum=self.host_checksum)
+        self.store.put_base(buf, manifest)
+        return {"time/serialise_base_s": time.perf_counter() - t0, "weights/base_bytes": float(manifest.total_bytes)}
 
     def sync_new_members(self) -> dict[str, float]:
         """Senders push the latest version to receivers that joined since (called by the loop while
@@ -89,12 +104,11 @@ class WeightPublisher:
         if man is None:
             return None
         side_channel = self.senders.get("side_channel")
-        return pb.WeightInfo(
-            version=man.version, total_bytes=man.total_bytes, chunk_bytes=man.chunk_bytes,
-            manifest=[pb.TensorEntry(name=t.name, dtype=t.dtype, shape=list(t.shape), offset_bytes=t.offset_bytes,
-                                     nbytes=t.nbytes) for t in man.tensors],
-            chunk_checksums=list(man.chunk_checksums), version_checksum=man.version_checksum,
-            checksum_algorithm=man.checksum_algorithm, side_channel_endpoint=side_channel.endpoint if side_channel else "")
+        endpoint = side_channel.endpoint if side_channel else ""
+        info = _info(man, endpoint)
+        if (base := self.store.base()) is not None:
+            info.base.CopyFrom(_info(base, endpoint))
+        return info
 
     def read(self, version: int, offset: int, length: int) -> bytes:
         """Bytes [offset, offset + length) of ``version``; KeyError when the version is not held."""
@@ -104,3 +118,13 @@ class WeightPublisher:
     def close(self) -> None:
         for sender in self.senders.values():
             sender.close()
+
+
+def _info(man: WeightManifest, side_channel_endpoint: str) -> pb.WeightInfo:
+    return pb.WeightInfo(
+        version=man.version, total_bytes=man.total_bytes, chunk_bytes=man.chunk_bytes,
+        manifest=[pb.TensorEntry(name=t.name, dtype=t.dtype, shape=list(t.shape), offset_bytes=t.offset_bytes,
+                                 nbytes=t.nbytes) for t in man.tensors],
+        chunk_checksums=list(man.chunk_checksums), version_checksum=man.version_checksum,
+        checksum_algorithm=man.checksum_algorithm, side_channel_endpoint=side_channel_endpoint,
+        base_checksum=man.base_checksum)

@@ -3,6 +3,9 @@
 FetchWeights stream, filled by ``learner/publisher.py``. Its own module so that the transports and the
 publisher (which builds the transports) both import it and neither imports the other.
 
+A LoRA run's base weights (``dapo.weights.BASE_VERSION``) are held beside the versions, once, for the
+whole run: never superseded, never recycled.
+
 Buffers are recycled: first-touch page faults cost ~30x a memcpy on this VM, so a version released by
 its last reader becomes the next version's buffer. At most ``MAX_SPARE_BUFFERS`` released buffers are
 kept; anything else is freed (one leaked buffer a version is one copy of the model a step).
@@ -17,7 +20,7 @@ from typing import Iterator
 
 import torch
 
-from dapo.weights import WeightManifest
+from dapo.weights import BASE_VERSION, WeightManifest
 
 MAX_SPARE_BUFFERS = 1
 """Released buffers kept for reuse: one is all a steady publish needs (the version it replaces), so
@@ -44,6 +47,7 @@ class VersionStore:
         self._keep = keep_versions
         self._held: dict[int, _Held] = {}
         self._spare: list[torch.Tensor] = []
+        self._base: _Held | None = None
         self._lock = threading.Lock()
 
     def spare_buffer(self, nbytes: int, device: torch.device) -> torch.Tensor | None:
@@ -59,6 +63,17 @@ class VersionStore:
             self._held[manifest.version] = _Held(buf, manifest)
             self._release_superseded()
 
+    def put_base(self, buf: torch.Tensor, manifest: WeightManifest) -> None:
+        """Hold a LoRA run's base weights (version BASE_VERSION) for the rest of the run."""
+        assert manifest.version == BASE_VERSION, manifest.version
+        with self._lock:
+            self._base = _Held(buf, manifest)
+
+    def base(self) -> WeightManifest | None:
+        """The base weights' manifest (LoRA runs), or None."""
+        with self._lock:
+            return self._base.manifest if self._base is not None else None
+
     def latest(self) -> WeightManifest | None:
         with self._lock:
             return self._held[max(self._held)].manifest if self._held else None
@@ -73,7 +88,7 @@ class VersionStore:
     def acquire(self, version: int) -> Iterator[_Held]:
         """Hold ``version`` while reading it; KeyError when it is no longer (or not yet) held."""
         with self._lock:
-            held = self._held[version]
+            held = self._base if version == BASE_VERSION and self._base is not None else self._held[version]
             held.readers += 1
         try:
             yield held

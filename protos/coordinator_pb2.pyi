@@ -41,7 +41,7 @@ class RegisterRequest(_message.Message):
     def __init__(self, actor_name: _Optional[str] = ..., capabilities: _Optional[_Union[Capabilities, _Mapping]] = ...) -> None: ...
 
 class RunParams(_message.Message):
-    __slots__ = ("num_samples_per_prompt", "max_response_tokens", "temperature", "top_p", "overlong_punishment", "overlong_cache_tokens", "prompts_per_lease", "heartbeat_interval_s", "weight_backend", "rpc_timeout_s")
+    __slots__ = ("num_samples_per_prompt", "max_response_tokens", "temperature", "top_p", "overlong_punishment", "overlong_cache_tokens", "prompts_per_lease", "heartbeat_interval_s", "weight_backend", "rpc_timeout_s", "lora_adapter_config")
     NUM_SAMPLES_PER_PROMPT_FIELD_NUMBER: _ClassVar[int]
     MAX_RESPONSE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +52,7 @@ class RunParams(_message.Message):
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_BACKEND_FIELD_NUMBER: _ClassVar[int]
     RPC_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTER_CONFIG_FIELD_NUMBER: _ClassVar[int]
     num_samples_per_prompt: int
     max_response_tokens: int
     temperature: float
@@ -62,7 +63,8 @@ class RunParams(_message.Message):
     heartbeat_interval_s: float
     weight_backend: str
     rpc_timeout_s: float
-    def __init__(self, num_samples_per_prompt: _Optional[int] = ..., max_response_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., overlong_punishment: _Optional[bool] = ..., overlong_cache_tokens: _Optional[int] = ..., prompts_per_lease: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., weight_backend: _Optional[str] = ..., rpc_timeout_s: _Optional[float] = ...) -> None: ...
+    lora_adapter_config: str
+    def __init__(self, num_samples_per_prompt: _Optional[int] = ..., max_response_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., overlong_punishment: _Optional[bool] = ..., overlong_cache_tokens: _Optional[int] = ..., prompts_per_lease: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., weight_backend: _Optional[str] = ..., rpc_timeout_s: _Optional[float] = ..., lora_adapter_config: _Optional[str] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
     __slots__ = ("actor_id", "run_id", "zmq_endpoint", "current_version", "run")
@@ -308,7 +310,7 @@ class TensorEntry(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., offset_bytes: _Optional[int] = ..., nbytes: _Optional[int] = ...) -> None: ...
 
 class WeightInfo(_message.Message):
-    __slots__ = ("version", "manifest", "total_bytes", "chunk_bytes", "chunk_checksums", "version_checksum", "checksum_algorithm", "side_channel_endpoint")
+    __slots__ = ("version", "manifest", "total_bytes", "chunk_bytes", "chunk_checksums", "version_checksum", "checksum_algorithm", "side_channel_endpoint", "base", "base_checksum")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -317,6 +319,8 @@ class WeightInfo(_message.Message):
     VERSION_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     SIDE_CHANNEL_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    BASE_CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     version: int
     manifest: _containers.RepeatedCompositeFieldContainer[TensorEntry]
     total_bytes: int
@@ -325,7 +329,9 @@ class WeightInfo(_message.Message):
     version_checksum: str
     checksum_algorithm: str
     side_channel_endpoint: str
-    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., chunk_checksums: _Optional[_Iterable[str]] = ..., version_checksum: _Optional[str] = ..., checksum_algorithm: _Optional[str] = ..., side_channel_endpoint: _Optional[str] = ...) -> None: ...
+    base: WeightInfo
+    base_checksum: str
+    def __init__(self, version: _Optional[int] = ..., manifest: _Optional[_Iterable[_Union[TensorEntry, _Mapping]]] = ..., total_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., chunk_checksums: _Optional[_Iterable[str]] = ..., version_checksum: _Optional[str] = ..., checksum_algorithm: _Optional[str] = ..., side_channel_endpoint: _Optional[str] = ..., base: _Optional[_Union[WeightInfo, _Mapping]] = ..., base_checksum: _Optional[str] = ...) -> None: ...
 
 class FetchWeightsRequest(_message.Message):
     __slots__ = ("version", "offset_bytes", "length_bytes")

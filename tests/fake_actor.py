@@ -84,7 +84,8 @@ def recording_fetcher(learner: str, token: str, corrupt_first: bool):
             version, state, stats = weights.receive(actor_id)
         except WeightFetchError as exc:
             raise LearnerUnavailable(f"weight fetch from {learner}: {exc}") from None
-        records.append({"version": version, "refetched": stats.refetched_chunks})
+        records.append({"version": version, "refetched": stats.refetched_chunks, "bytes": stats.bytes,
+                        "tensors": len(state), "base_fetches": weights.base_fetches})
         return version, state
 
     return fetch, records
@@ -122,7 +123,7 @@ def main() -> int:
     for _ in range(args.threads):
         fetch, fetched = (recording_fetcher(args.learner, args.token, args.corrupt_first_fetch)
                           if args.fetch_weights else (None, []))
-        engine = FakeEngine(easy_every=args.easy_every, hold=hold, keep_weights=bool(args.report))
+        engine = FakeEngine(easy_every=args.easy_every, hold=hold, keep_weights=bool(args.report), lora=cfg.lora)
         actors.append(build_actor(args.learner, cfg, engine, stop, fetch=fetch))
         if args.eval_delay_s:
             actors[-1].evaluate = slow(actors[-1].evaluate, args.eval_delay_s, stop)
@@ -146,7 +147,8 @@ def main() -> int:
         from safetensors.torch import save_file
 
         Path(args.report).write_text(json.dumps([
-            {"fetches": fetched, "loaded": a.engine.loaded, "counters": a.metrics.counters}
+            {"fetches": fetched, "loaded": a.engine.loaded, "counters": a.metrics.counters,
+             "base_loads": a.engine.base_loads, "adapter_loads": a.engine.adapter_loads}
             for a, fetched in zip(actors, records)]))
         for version, state in actors[0].engine.weights.items():
             save_file(state, f"{args.report}.v{version}.safetensors")

@@ -26,9 +26,10 @@ RIGHT, WRONG = 11, 12
 
 class FakeEngine(Engine):
     def __init__(self, *, easy_every: int = 0, hold: Callable[[], None] = lambda: None,
-                 keep_weights: bool = False) -> None:
-        """``hold()`` runs before every backend call: a test's way to keep leases in generation."""
-        super().__init__(version=0)
+                 keep_weights: bool = False, lora=None) -> None:
+        """``hold()`` runs before every backend call: a test's way to keep leases in generation.
+        ``lora``: take LoRA base + adapter loads (dapo.config.LoraConfig), as a real engine would."""
+        super().__init__(version=0, lora=lora)
         self.easy_every, self.hold, self.keep_weights = easy_every, hold, keep_weights
         self.loaded: list[int] = []
         """Every version loaded, in order."""
@@ -47,6 +48,9 @@ class FakeEngine(Engine):
         return RawSample(tokens, [-(t + 1) / 64 for t in range(length)], stopped=length < max_tokens)
 
     def _load(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        pass
+
+    def _load_adapter(self, adapter: Mapping[str, torch.Tensor], version: int) -> None:
         pass
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:

@@ -17,6 +17,15 @@ by the weights that were loaded when it was computed (PipelineRL's in-flight upd
 ``reprefill=True`` (and on an engine without that ability) generation instead stops after each
 chunk and every continued sample is re-prefilled from prompt + tokens so far, so its whole
 context is re-encoded with the weights that sample the next token: exact, and 20-50 % slower.
+
+LoRA (an engine built with ``lora``, the learner's ``lora.*``): ``load_weights`` takes base weights
+(plain HF names), adapter tensors (peft's file names, dapo.weights.is_adapter_tensor) or both; the
+base is loaded first (once, when the actor joins), then the adapter, which becomes the version. The
+torch engine swaps adapters in place, so in-flight updates work as with full weights. vLLM binds an
+adapter to a request when the request is admitted and cannot change it inside a running request:
+there every version is a new adapter, running requests finish with the adapter they started with,
+and each token records that adapter's version (in-flight loads apply from the next request;
+``reprefill`` re-admits continued samples, which then take the newest adapter).
 """
 
 from __future__ import annotations
@@ -27,6 +36,8 @@ from typing import Callable, Mapping
 
 import torch
 
+from dapo.config.lora import LoraConfig
+from dapo.weights import is_adapter_tensor
 from dapo.wire import FINISH_REASONS
 
 
@@ -83,9 +94,14 @@ class Engine(abc.ABC):
     ``between_steps()`` after every ``every_steps`` decoding steps while sequences are still
     running, keeps their KV cache across a load there, and fills ``RawSample.versions``."""
 
-    def __init__(self, version: int = 0) -> None:
+    def __init__(self, version: int = 0, lora: LoraConfig | None = None) -> None:
         self.version = version
         """Policy version of the loaded weights."""
+        self.lora = lora if lora is not None and lora.enabled else None
+        """The adapters this engine serves (None: full weights)."""
+        self.base_loads = 0
+        """Loads of full weights: every version without LoRA; with LoRA the base, once per join."""
+        self.adapter_loads = 0
 
     # -- backend hooks -----------------------------------------------------------------------
     @abc.abstractmethod
@@ -98,13 +114,31 @@ class Engine(abc.ABC):
     def _load(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Replace the weights in place (HF parameter names)."""
 
+    def _load_adapter(self, adapter: Mapping[str, torch.Tensor], version: int) -> None:
+        """Serve ``adapter`` (peft file names) as ``version`` from the next decoding step or request."""
+        raise NotImplementedError(f"{type(self).__name__} serves no LoRA adapters")
+
     def close(self) -> None:
         """Free the engine's resources (idempotent)."""
 
     # -- public interface --------------------------------------------------------------------
     def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        """Load ``state_dict`` (HF names, full tensors) as policy ``version``."""
-        self._load(state_dict)
+        """Load ``state_dict`` (HF names, full tensors; with LoRA base and/or adapter tensors) as policy
+        ``version``."""
+        adapter = {k: v for k, v in state_dict.items() if is_adapter_tensor(k)}
+        base = {k: v for k, v in state_dict.items() if not is_adapter_tensor(k)} if adapter else state_dict
+        if adapter and self.lora is None:
+            raise ValueError("these weights are LoRA adapters (the learner trains with lora.rank > 0) but this engine "
+                             "was built without LoRA: start the actor with the learner's lora.* settings")
+        if self.lora is not None and not adapter:
+            raise ValueError(f"this engine serves LoRA adapters (lora.rank={self.lora.rank}) but the weights hold none "
+                             "(the learner trains full weights): start the actor with the learner's lora.* settings")
+        if base:
+            self._load(base)
+            self.base_loads += 1
+        if adapter:
+            self._load_adapter(adapter, version)
+            self.adapter_loads += 1
         self.version = version
 
     def generate(self, prompt_ids: list[list[int]], n: int, max_tokens: int, temperature: float,

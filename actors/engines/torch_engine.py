@@ -16,6 +16,9 @@ from typing import Callable, Mapping
 import torch
 
 from actors.engines.base import Engine, RawSample, StopWhen, stop_token_ids
+from dapo.config.lora import LoraConfig
+from dapo.lora import apply_lora, load_adapter_
+from dapo.weights import base_param_name, is_adapter_tensor
 
 
 def nucleus_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
@@ -56,13 +59,15 @@ class TorchEngine(Engine):
     keeps_kv_across_loads = True
 
     def __init__(self, model_path: str, *, dtype: str = "float32", max_model_len_tokens: int = 512,
-                 seed: int = 0, version: int = 0) -> None:
-        super().__init__(version)
+                 seed: int = 0, version: int = 0, lora: LoraConfig | None = None) -> None:
+        super().__init__(version, lora)
         from transformers import AutoModelForCausalLM
 
         self._stop_ids = torch.tensor(stop_token_ids(model_path))
         self._max_len = max_model_len_tokens
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+        if self.lora is not None:  # the learner's adapter layers (B = 0: the base until the first adapter)
+            self.model = apply_lora(self.model, self.lora)
         self.model.eval()
 
     @torch.inference_mode()
@@ -130,8 +135,9 @@ class TorchEngine(Engine):
     @torch.inference_mode()
     def _load(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         # state_dict(): persistent tensors only (no rotary inv_freq), lm_head.weight included
-        # for tied models (it aliases the embedding, so copying it twice is harmless).
-        params = self.model.state_dict()
+        # for tied models (it aliases the embedding, so copying it twice is harmless). With LoRA: the
+        # base weights under the plain model's names.
+        params = {base_param_name(k): v for k, v in self.model.state_dict().items() if not is_adapter_tensor(k)}
         missing = [k for k in params if k not in state_dict and not (
             k == "lm_head.weight" and self.model.config.tie_word_embeddings)]
         unknown = [k for k in state_dict if k not in params]
@@ -140,3 +146,7 @@ class TorchEngine(Engine):
                              f"unknown {unknown[:5]}; expected the HF names of {type(self.model).__name__}")
         for name, tensor in state_dict.items():
             params[name].copy_(tensor)
+
+    @torch.inference_mode()
+    def _load_adapter(self, adapter: Mapping[str, torch.Tensor], version: int) -> None:
+        load_adapter_(self.model, adapter)  # in place: a running batch keeps its KV cache, as with full weights

@@ -19,6 +19,14 @@ load while requests run (where vLLM cannot reset it) defers the reset to the end
 generate call. Within the call, requests that are still waiting for their prefill may reuse the
 old-weight prompt blocks of a sibling (the same prompt): the same mixed-version KV that running
 requests keep.
+
+LoRA (``lora``; vLLM's ``enable_lora``, on CPU its PunicaWrapperCPU): the base is loaded by
+``reload_weights`` as above (which drops every adapter), each adapter version is written to a folder of
+its own (vLLM loads adapters from disk only) and added as a new adapter under a new id and name
+(``add_lora``; a new name also keeps prefix-cache blocks of one version from serving another), and
+new requests name it. vLLM fixes a request's adapter at admission: a request running when a new
+version arrives finishes with its own adapter, and its tokens record that adapter's version
+(actors/engines/base.py); the old adapter is removed (``remove_lora``) once no request uses it.
 """
 
 from __future__ import annotations
@@ -26,11 +34,15 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import os
+import shutil
+import tempfile
 from typing import Any, Callable, Mapping
 
 import torch
 
 from actors.engines.base import Engine, RawSample, StopWhen, WeightLoadTimeout, stop_token_ids
+from dapo.config.lora import LoraConfig
 
 
 def _drop_records(prefix: str) -> Callable[[logging.LogRecord], bool]:
@@ -71,8 +83,12 @@ that the prefix cache can share: with 128-token blocks each of a prompt's 8 samp
 prompt's KV anew (prefill of 8 prompts x 8 samples 9.5 s, with 32-token blocks 1.0 s)."""
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM accepts for ``max_lora_rank`` (vllm/config/lora.py)."""
+
+
 def llm_args(model_path: str, *, dtype: str, max_model_len_tokens: int, seed: int, enforce_eager: bool,
-             tensor_parallel_size: int) -> dict[str, Any]:
+             tensor_parallel_size: int, lora: LoraConfig | None = None) -> dict[str, Any]:
     """The keyword arguments of ``vllm.LLM`` (its ``EngineArgs``) for this engine.
 
     enforce_eager: no torch.compile / CUDA graphs (seconds, not minutes, to start; on CPU the only
@@ -92,6 +108,11 @@ def llm_args(model_path: str, *, dtype: str, max_model_len_tokens: int, seed: in
                 distributed_executor_backend="mp" if tensor_parallel_size > 1 else None)
     if not torch.cuda.is_available():
         args["block_size"] = CPU_BLOCK_SIZE_TOKENS
+    if lora is not None and lora.enabled:
+        # One adapter per batch (a generate call admits all its requests with one version); up to 3
+        # held: the one running requests use, the newest, and one being added (vLLM adds before it evicts).
+        args.update(enable_lora=True, max_lora_rank=min(r for r in VLLM_LORA_RANKS if r >= lora.rank),
+                    max_loras=1, max_cpu_loras=3)
     return args
 
 
@@ -100,11 +121,11 @@ class VllmEngine(Engine):
 
     def __init__(self, model_path: str, *, dtype: str = "float32", max_model_len_tokens: int = 512,
                  seed: int = 0, version: int = 0, enforce_eager: bool = True,
-                 tensor_parallel_size: int = 1, load_timeout_s: float = 60.0) -> None:
+                 tensor_parallel_size: int = 1, load_timeout_s: float = 60.0, lora: LoraConfig | None = None) -> None:
         """``load_timeout_s``: deadline of each weight load into the model worker processes
         (``tensor_parallel_size`` > 1; at 1 the load runs in this process); the actor passes
-        ``weights.sync_timeout_s``."""
-        super().__init__(version)
+        ``weights.sync_timeout_s``. ``lora``: serve the learner's adapters (module docstring)."""
+        super().__init__(version, lora)
         from transformers import AutoConfig
         from vllm import LLM
 
@@ -116,13 +137,20 @@ class VllmEngine(Engine):
         # move them out of the collector's reach first (CPython's gc.freeze, made for start-up).
         gc.freeze()
         self._llm = LLM(**llm_args(model_path, dtype=dtype, max_model_len_tokens=max_model_len_tokens, seed=seed,
-                                   enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size))
+                                   enforce_eager=enforce_eager, tensor_parallel_size=tensor_parallel_size,
+                                   lora=self.lora))
         self._tp = tensor_parallel_size
         self._load_timeout_s = load_timeout_s
         self._llm.apply_model(_skip_computed_buffers_on_reload)  # once: the skip list is process-wide
         self._request_ids = itertools.count()
         self._prefix_cache_stale = False
         """A load happened while requests ran: reset the prefix cache when they are done."""
+        self._adapter: Any = None  # the LoRARequest new requests name (None: the base alone)
+        self._adapter_used = False  # some request was admitted with it
+        self._retired: list[Any] = []  # older adapters that running requests may still use
+        self._lora_ids = itertools.count(1)  # vLLM's adapter ids: >= 1, never reused
+        self._lora_dir = tempfile.mkdtemp(prefix="dapo-lora-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None) \
+            if self.lora is not None else ""
 
     def _sample(self, sequences: list[list[int]], n: int, max_tokens: int, temperature: float,
                 top_p: float, seed: int, *, every_steps: int = 0,
@@ -140,28 +168,34 @@ class VllmEngine(Engine):
                                 output_kind=RequestOutputKind.DELTA)
         engine = self._llm.llm_engine
         raws: dict[str, RawSample] = {}  # n requests per prompt (what vLLM's n > 1 does inside)
+        # LoRA: every request samples with the adapter it was admitted with, to its end
+        admitted = self.version if self.lora is not None else None
+        self._adapter_used = True
         for s in sequences:
             for _ in range(n):
                 rid = str(next(self._request_ids))
-                engine.add_request(rid, {"prompt_token_ids": s}, params)
+                engine.add_request(rid, {"prompt_token_ids": s}, params, lora_request=self._adapter)
                 raws[rid] = RawSample(versions=[])
         try:
-            self._step_until_done(engine, raws, every_steps, between_steps, stop_when)
+            self._step_until_done(engine, raws, every_steps, between_steps, stop_when, admitted)
         finally:
             if engine.has_unfinished_requests():  # between_steps raised: leave the engine idle
                 engine.abort_request(list(raws))
             if self._prefix_cache_stale:
                 self._prefix_cache_stale = not self._llm.reset_prefix_cache()
+            self._remove_adapters(self._retired)
         samples = list(raws.values())
         return [samples[i * n:(i + 1) * n] for i in range(len(sequences))]
 
     def _step_until_done(self, engine, raws: dict[str, RawSample], every_steps: int,
-                         between_steps: Callable[[], None] | None, stop_when: StopWhen | None) -> None:
+                         between_steps: Callable[[], None] | None, stop_when: StopWhen | None,
+                         admitted: int | None = None) -> None:
         steps = 0
         while engine.has_unfinished_requests():
             if between_steps is not None and steps and steps % every_steps == 0:
                 between_steps()  # may load weights: running requests keep their KV blocks
-            version = self.version  # the weights this step samples with
+            # the weights this step samples with; with LoRA the adapter the requests were admitted with
+            version = self.version if admitted is None else admitted
             for out in engine.step():
                 raw, c = raws[out.request_id], out.outputs[0]
                 raw.token_ids += c.token_ids
@@ -196,6 +230,41 @@ class VllmEngine(Engine):
             self._prefix_cache_stale = True
         else:
             self._llm.reset_prefix_cache()
+        if self.lora is not None:  # reload_weights dropped every adapter (vLLM's reset_lora_state)
+            self._forget_adapters([self._adapter, *self._retired])
+            self._adapter, self._retired = None, []
+
+    def _load_adapter(self, adapter: Mapping[str, torch.Tensor], version: int) -> None:
+        """Write ``adapter`` as a peft folder and add it as a new vLLM adapter; retire the previous one."""
+        from vllm.lora.request import LoRARequest
+
+        from dapo.lora import save_adapter_folder
+
+        lora_id = next(self._lora_ids)
+        folder = os.path.join(self._lora_dir, str(lora_id))
+        save_adapter_folder(adapter, self.lora, folder, base_model="", dtype=next(iter(adapter.values())).dtype)
+        request = LoRARequest(f"dapo-{lora_id}-v{version}", lora_id, folder)
+        engine = self._llm.llm_engine
+        if not engine.add_lora(request) or lora_id not in engine.list_loras():
+            raise RuntimeError(f"vLLM did not load the LoRA adapter of version {version} from {folder} "
+                               f"(its adapters: {sorted(engine.list_loras())})")
+        old, self._adapter = self._adapter, request
+        if old is not None:
+            # One no request was admitted with goes now; one running requests may use, when they are done.
+            self._retired.append(old) if self._adapter_used and engine.has_unfinished_requests() \
+                else self._remove_adapters([old])
+        self._adapter_used = False
+
+    def _remove_adapters(self, requests: list[Any]) -> None:
+        for request in requests:
+            self._llm.llm_engine.remove_lora(request.lora_int_id)
+        self._forget_adapters(requests)
+        self._retired = [r for r in self._retired if r not in requests]
+
+    def _forget_adapters(self, requests: list[Any]) -> None:
+        for request in requests:
+            if request is not None:
+                shutil.rmtree(request.lora_path, ignore_errors=True)
 
     def close(self) -> None:
         llm = getattr(self, "_llm", None)
@@ -205,3 +274,5 @@ class VllmEngine(Engine):
         self._llm = None
         del llm
         gc.collect()
+        if self._lora_dir:
+            shutil.rmtree(self._lora_dir, ignore_errors=True)

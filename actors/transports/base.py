@@ -99,7 +99,8 @@ def manifest_from_info(info: pb.WeightInfo) -> WeightManifest:
     man = WeightManifest(int(info.version), int(info.total_bytes), int(info.chunk_bytes),
                          tuple(TensorEntry(t.name, t.dtype, tuple(int(s) for s in t.shape), int(t.offset_bytes),
                                            int(t.nbytes)) for t in info.manifest),
-                         tuple(info.chunk_checksums), info.version_checksum, info.checksum_algorithm or "blake3")
+                         tuple(info.chunk_checksums), info.version_checksum, info.checksum_algorithm or "blake3",
+                         info.base_checksum)
     _validate(man)
     return man
 

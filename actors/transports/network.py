@@ -1,6 +1,12 @@
 """The network weight path's receiver: GetWeightInfo (gRPC) -> manifest and side-channel endpoint
 -> one range read of the whole buffer (side channel, or the FetchWeights stream when none is
-announced) into a reused buffer -> verify blake3 per chunk -> refetch bad chunks -> state dict."""
+announced) into a reused buffer -> verify blake3 per chunk -> refetch bad chunks -> state dict.
+
+LoRA runs: a version is the adapters alone and WeightInfo.base announces the base weights. The first
+fetch (and the first after the base changed: another learner) reads the base too, the same way, and
+returns base + adapter tensors in one state dict (the engine loads the base, then the adapter); every
+later fetch returns the adapter alone. An actor that joins late or fell behind so gets the base once
+and the newest adapter, never the versions in between."""
 
 from __future__ import annotations
 
@@ -30,6 +36,9 @@ class NetworkWeightClient:
         self._readers: dict[str, SideChannelClient | GrpcStreamClient] = {}
         self._buffers = ReceiveBuffer()
         self._after_receive = after_receive  # fault injection in tests (corrupt bytes in transit)
+        self.base_checksum = ""
+        """The base weights (LoRA runs) this client last returned, by version checksum; "" = none yet."""
+        self.base_fetches = 0
 
     def info(self, actor_id: int = 0) -> pb.WeightInfo:
         return self._rpc.call("GetWeightInfo", pb.WeightInfoRequest(actor_id=actor_id))
@@ -44,7 +53,21 @@ class NetworkWeightClient:
     def receive(self, actor_id: int = 0) -> tuple[int, dict[str, torch.Tensor], FetchStats]:
         info = self.info(actor_id)
         manifest = manifest_from_info(info)
-        buf = self._buffers.get(manifest.total_bytes)
+        if manifest.base_checksum != (info.base.version_checksum if info.HasField("base") else ""):
+            raise WeightFetchError(f"version {manifest.version} applies to base {manifest.base_checksum[:12]!r} but the "
+                                   f"learner announces base {info.base.version_checksum[:12]!r}")
+        base = {}
+        if manifest.base_checksum and manifest.base_checksum != self.base_checksum:
+            base = self._read(info.base, torch.empty(info.base.total_bytes, dtype=torch.uint8))[1]  # once: not kept
+        version, state, stats = self._read(info, self._buffers.get(manifest.total_bytes))
+        if base:
+            self.base_checksum, self.base_fetches = manifest.base_checksum, self.base_fetches + 1
+            state = {**base, **state}
+        return version, state, stats
+
+    def _read(self, info: pb.WeightInfo, buf: torch.Tensor) -> tuple[int, dict[str, torch.Tensor], FetchStats]:
+        """Read, verify and repair the version ``info`` describes into ``buf``."""
+        manifest = manifest_from_info(info)
         reader = self._reader(info.side_channel_endpoint)
         stats = FetchStats(version=manifest.version, bytes=manifest.total_bytes,
                            path="network/tcp" if info.side_channel_endpoint else "network/grpc")

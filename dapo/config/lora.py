@@ -64,3 +64,18 @@ def peft_adapter_config(lora: LoraConfig, base_model: str = "") -> dict[str, Any
             "lora_dropout": lora.dropout, "target_modules": sorted(lora.target_modules), "bias": "none",
             "use_rslora": False, "use_dora": False, "fan_in_fan_out": False, "init_lora_weights": True,
             "modules_to_save": None, "base_model_name_or_path": base_model}
+
+
+def lora_mismatch(ours: LoraConfig, learner_adapter_config: str) -> str | None:
+    """Why an actor with ``ours`` cannot serve a learner whose RunParams.lora_adapter_config is
+    ``learner_adapter_config`` ("" = full fine-tuning), or None when they agree."""
+    import json
+
+    theirs = json.loads(learner_adapter_config) if learner_adapter_config else None
+    mine = peft_adapter_config(ours) if ours.enabled else None
+    if theirs == mine:
+        return None
+    said = f"LoRA adapters {learner_adapter_config}" if theirs else "full weights (lora.rank=0)"
+    has = f"lora.rank={ours.rank}, alpha={ours.alpha:g}, dropout={ours.dropout:g}, target_modules=" \
+          f"{list(ours.target_modules)}" if mine else "lora.rank=0"
+    return f"the learner trains {said} but this actor has {has}; start the actor with the learner's lora.* overrides"
