@@ -61,6 +61,11 @@ class DapoConfig:
                "model.max_model_len_tokens", self.model.max_model_len_tokens,
                f">= data.max_prompt_tokens + actor.max_response_tokens "
                f"= {self.data.max_prompt_tokens + self.actor.max_response_tokens}")
+        if (lag := self.algorithm.max_lag_steps) is not None:  # every group of ages 0..K may be held at once
+            need = (lag + 1) * self.algorithm.num_prompts_per_step
+            _check(self.transport.queue_max_groups >= need, "transport.queue_max_groups", self.transport.queue_max_groups,
+                   f">= (controlled lag {lag} + 1) x algorithm.num_prompts_per_step = {need}: the replay queue holds "
+                   "every group until its step")
         _check(self.weights.backend != "cuda_ipc" or (self.learner.device == "cuda" and is_loopback(self.transport.host)),
                "weights.backend", self.weights.backend, "not cuda_ipc here: cuda_ipc needs learner.device=cuda and an "
                "actor on the same host/GPU (transport.host on loopback); use weights.backend=collective or side_channel")

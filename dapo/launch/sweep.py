@@ -4,6 +4,12 @@
     dapo sweep --over algorithm.max_staleness_steps=0,1,2 --seeds 0,1
     dapo sweep --name ablation --over algorithm=grpo,grpo_overlong_filter,grpo_clip_higher,\
 grpo_soft_punish,grpo_token_loss,dapo_full
+    dapo sweep --name lag --over algorithm.controlled_lag_steps=0,2,4,8 \
+        --over algorithm=dapo_no_is,dapo,dapo_seq_tis,dapo_seq_mis,dapo_icepop,gspo algorithm.max_staleness_steps=8
+
+Two ``--over`` make a grid (every pair of values); with a controlled lag and a correction it also writes
+``offpolicy.png`` (held-out accuracy per lag, the per-age diagnostics per correction,
+dapo/plots_offpolicy.py) and their table by age in summary.md.
 
 Each point is a full `dapo run` (learner + actors as separate processes) in
 ``<out>/<label>-seed<k>/``. The first value is the baseline of the speed-up column
@@ -13,6 +19,7 @@ Each point is a full `dapo run` (learner + actors as separate processes) in
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import signal
 import sys
@@ -23,6 +30,7 @@ from dapo.auth_token import is_token_override
 from dapo.config import DapoConfig
 from dapo.launch import resolve_config, signal_on_parent_death, spawn, token_env
 from dapo.plots import mean_of, plot_sweep, read_metrics, series, setting_of, time_to_target
+from dapo.plots_offpolicy import age_table, plot_offpolicy
 from dapo.rundir import RunDirError, check_free
 
 
@@ -62,6 +70,9 @@ def summarize(runs: dict[str, list[dict]], target: float) -> list[dict]:
             "staleness max": max(stale_max) if stale_max else math.nan,
             "actor idle": mean_of(recs, "actors/idle_fraction"),
             "learner idle": mean_of(recs, "learner/idle_fraction"),
+            **({"KL k3 (nats/token)": mean_of(recs, "offpolicy/all/kl_k3"), "ESS/N": mean_of(recs, "offpolicy/all/ess"),
+                "masked": mean_of(recs, "offpolicy/all/masked_token_frac")}
+               if any("offpolicy/all/kl_k3" in r for r in recs) else {}),
         })
     base = rows[0]["time to target (s)"] if rows else math.nan
     for row in rows:
@@ -100,61 +111,96 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="dapo sweep", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--over", default="algorithm.max_staleness_steps=0,1,2,4",
-                        help="KEY=V1,V2,... the setting to vary (default: %(default)s)")
-    parser.add_argument("--seeds", default="0",
-                        help="comma-separated learner/actor seeds, each a separate run (run.seed, hence "
-                             "data order and model, stays fixed)")
-    parser.add_argument("--name", default="", help="sweep name (default: the varied key)")
-    parser.add_argument("--out", default="runs", help="parent folder of the sweep folder")
-    parser.add_argument("--target", type=float, default=None,
-                        help="accuracy target of the time-to-target column (default: run.target_accuracy)")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides applied to every run")
-    args = parser.parse_args(argv)
-    key, _, values = args.over.partition("=")
-    if not key or not values:
-        parser.error(f"--over must look like KEY=V1,V2 (got {args.over!r})")
+Point = tuple[str, list[str], DapoConfig, tuple[str, ...]]
+"""(label, overrides, resolved config, its value of each swept key)."""
 
-    seeds = [int(s) for s in args.seeds.split(",")]
-    out_dir = Path(args.out) / f"sweep-{args.name or key.split('.')[-1]}"
+
+def parse_axes(overs: list[str]) -> list[tuple[str, list[str]]]:
+    """``--over`` arguments (KEY=V1,V2,...) as (key, values); ValueError names a malformed one."""
+    axes = []
+    for over in overs:
+        key, _, values = over.partition("=")
+        if not key or not values:
+            raise ValueError(f"--over must look like KEY=V1,V2 (got {over!r})")
+        axes.append((key, values.split(",")))
+    if len({k for k, _ in axes}) != len(axes):
+        raise ValueError(f"--over names a key twice: {[k for k, _ in axes]}")
+    return axes
+
+
+def plan_points(axes: list[tuple[str, list[str]]], seeds: list[int], out_dir: Path, overrides: list[str]) -> list[Point]:
+    """Every cell of the grid (the product of the axes' values) for every seed, its config resolved
+    (so that a bad value fails before the first run, not after an hour)."""
     points = []
-    for value in values.split(","):
+    for cell in itertools.product(*(values for _, values in axes)):
         for seed in seeds:
             # '=' would break the run.run_dir override, so labels use '-'
-            label = f"{key.split('.')[-1]}-{value}-seed{seed}"
+            label = "_".join(f"{key.split('.')[-1]}-{value}" for (key, _), value in zip(axes, cell)) + f"-seed{seed}"
             # A seed varies sampling and training noise; the data order and the (warm-started)
             # model stay those of run.seed, so seeds compare the algorithm, not the start.
-            overrides = [*args.overrides, f"{key}={value}", f"learner.seed={seed}", f"actor.seed={seed}",
-                         f"run.run_dir={out_dir / label}"]
-            # fail before the first run, not after an hour
-            cfg = resolve_config("dapo sweep", overrides, starts_actors=True)
-            if not cfg.run.overwrite:
-                try:
-                    check_free(out_dir / label, "dapo sweep")
-                except RunDirError as exc:
-                    print(f"{exc}: pass another --name, or run.overwrite=true to replace the sweep's runs",
-                          file=sys.stderr)
-                    return 2
-            points.append((label, overrides, cfg))
-    target = args.target if args.target is not None else cfg.run.target_accuracy
-    out_dir.mkdir(parents=True, exist_ok=True)
+            point = [*overrides, *(f"{key}={value}" for (key, _), value in zip(axes, cell)), f"learner.seed={seed}",
+                     f"actor.seed={seed}", f"run.run_dir={out_dir / label}"]
+            points.append((label, point, resolve_config("dapo sweep", point, starts_actors=True), cell))
+    return points
 
-    runs, failed = {}, []
-    for label, overrides, cfg in points:
-        if run_point(label, overrides, cfg) != 0:
-            failed.append(label)
+
+def report(out_dir: Path, axes: list[tuple[str, list[str]]], points: list[Point], seeds: list[int],
+           target: float) -> str:
+    """summary.md and sweep.png (and for a grid, offpolicy.png) from the points' metrics; returns the table."""
+    runs = {}
+    for label, *_ in points:
         metrics = out_dir / label / "metrics.jsonl"
         runs[label] = read_metrics(metrics) if metrics.exists() else []
     rows = summarize(runs, target)
     table = markdown_table(rows)
     if len(seeds) > 1:  # and the mean over seeds of each setting
         table += "\nMean over seeds:\n\n" + markdown_table(summarize_settings(rows))
-    (out_dir / "summary.md").write_text(f"# dapo sweep over {key}\n\nTarget accuracy {target}.\n\n{table}")
-    png = plot_sweep(runs, out_dir / "sweep.png", title=f"dapo sweep over {key}")
-    print(table + f"\ndapo sweep: table in {out_dir / 'summary.md'}, plot in {png}", file=sys.stderr)
+    keys = " x ".join(key for key, _ in axes)
+    if len(axes) == 2:
+        cells = {label: cell for label, _, _, cell in points}
+        table += "\nDiagnostics by sample age (mean over the steps of every run of a setting):\n\n"
+        table += markdown_table(age_table(runs, cells))
+        plot_offpolicy(runs, cells, str(out_dir / "offpolicy.png"), title=f"dapo sweep over {keys}")
+    (out_dir / "summary.md").write_text(f"# dapo sweep over {keys}\n\nTarget accuracy {target}.\n\n{table}")
+    plot_sweep(runs, out_dir / "sweep.png", title=f"dapo sweep over {keys}")
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dapo sweep", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--over", action="append", default=None,
+                        help="KEY=V1,V2,... the setting to vary (default: algorithm.max_staleness_steps=0,1,2,4); "
+                             "twice: a grid of every pair")
+    parser.add_argument("--seeds", default="0",
+                        help="comma-separated learner/actor seeds, each a separate run (run.seed, hence "
+                             "data order and model, stays fixed)")
+    parser.add_argument("--name", default="", help="sweep name (default: the varied keys)")
+    parser.add_argument("--out", default="runs", help="parent folder of the sweep folder")
+    parser.add_argument("--target", type=float, default=None,
+                        help="accuracy target of the time-to-target column (default: run.target_accuracy)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides applied to every run")
+    args = parser.parse_args(argv)
+    try:
+        axes = parse_axes(args.over or ["algorithm.max_staleness_steps=0,1,2,4"])
+    except ValueError as exc:
+        parser.error(str(exc))
+    seeds = [int(s) for s in args.seeds.split(",")]
+    out_dir = Path(args.out) / f"sweep-{args.name or '-'.join(key.split('.')[-1] for key, _ in axes)}"
+    points = plan_points(axes, seeds, out_dir, args.overrides)
+    for label, _, cfg, _ in points:
+        if not cfg.run.overwrite:
+            try:
+                check_free(out_dir / label, "dapo sweep")
+            except RunDirError as exc:
+                print(f"{exc}: pass another --name, or run.overwrite=true to replace the sweep's runs",
+                      file=sys.stderr)
+                return 2
+    target = args.target if args.target is not None else points[-1][2].run.target_accuracy
+    out_dir.mkdir(parents=True, exist_ok=True)
+    failed = [label for label, overrides, cfg, _ in points if run_point(label, overrides, cfg) != 0]
+    table = report(out_dir, axes, points, seeds, target)
+    print(table + f"\ndapo sweep: table in {out_dir / 'summary.md'}, plots in {out_dir}", file=sys.stderr)
     if failed:
         print(f"dapo sweep: {len(failed)} run(s) failed: {', '.join(failed)}; see their logs/ folders",
               file=sys.stderr)

@@ -12,7 +12,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from dapo.config import AlgorithmConfig, ConfigError
+from dapo.config import AlgorithmConfig, ConfigError, load_config
 from dapo.lag import LagSchedule
 from tests.unit.test_coordinator import Clock, make, make_buffer, make_group
 
@@ -49,6 +49,10 @@ def test_config_refuses_a_lag_past_the_staleness_bound_and_two_lag_settings():
     with pytest.raises(ConfigError, match="sums to 1"):
         AlgorithmConfig(controlled_lag_age_probs=[0.5, 0.4], max_staleness_steps=1)
     assert AlgorithmConfig(controlled_lag_age_probs=[0.5, 0.0, 0.5, 0.0], max_staleness_steps=2).max_lag_steps == 2
+    lag8 = ["algorithm.controlled_lag_steps=8", "algorithm.max_staleness_steps=8"]
+    with pytest.raises(ConfigError, match=r"queue_max_groups` = 71 .*>= \(controlled lag 8 \+ 1\) x .* = 72"):
+        load_config([*lag8, "transport.queue_max_groups=71"])
+    assert load_config([*lag8, "transport.queue_max_groups=72"]).algorithm.max_lag_steps == 8
 
 
 class Sim:
