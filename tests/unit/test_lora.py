@@ -167,3 +167,26 @@ def test_prox_is_recomputed_without_adapter_dropout(one_gloo_rank):
     assert trainer.model.training  # back in train mode for the loss
     noisy = [trainer.logprobs(shard.micro(0, 0))[0].detach() for _ in range(2)]
     assert not torch.equal(noisy[0], noisy[1])  # the training forward does drop out
+
+
+def test_a_version_names_its_base_the_checksum_covers_it_and_the_store_keeps_the_base():
+    from dapo.weights import BASE_VERSION, WeightError, WeightManifest, flatten_state_dict
+    from learner.version_store import VersionStore
+
+    base_buf, base = flatten_state_dict({"w": torch.ones(3, 5)}, version=BASE_VERSION, chunk_bytes=4096)
+    _, man = flatten_state_dict({"base_model.model.x.lora_A.weight": torch.ones(2, 5)}, version=3, chunk_bytes=4096,
+                                base_checksum=base.version_checksum)
+    assert WeightManifest.from_json(man.to_json()) == man and man.base_checksum == base.version_checksum
+    forged = man.to_json().replace(base.version_checksum.encode(), b"0" * len(base.version_checksum))
+    with pytest.raises(WeightError, match="version checksum does not match"):
+        WeightManifest.from_json(forged)  # another base under the same checksums is refused
+    store = VersionStore(keep_versions=2)
+    store.put_base(base_buf, base)
+    for v in range(5):  # versions come and go; the base stays
+        buf, m = flatten_state_dict({"a": torch.full((4,), float(v))}, version=v, chunk_bytes=4096)
+        store.put(buf, m)
+    assert store.latest().version == 4 and store.base() == base
+    with store.acquire(BASE_VERSION) as held:
+        assert torch.equal(held.buf, base_buf)
+    with pytest.raises(KeyError):
+        store.acquire(0).__enter__()
