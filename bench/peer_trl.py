@@ -63,7 +63,7 @@ import harness  # bench/ is sys.path[0] both in the scripts that import this mod
 BENCH_PYTHON = harness.ROOT / ".venv-bench" / "bin" / "python"
 TRL_VERSION = "1.16.0"
 WORKLOADS = {"default": [], "long_response": ["experiment=long_response"],
-             "smollm2_arith": ["experiment=smollm2_arith"]}
+             "smollm2_arith": ["experiment=smollm2_arith"], "smollm2_arith_lora": ["experiment=smollm2_arith_lora"]}
 """Workload name -> `dapo run` / load_config overrides (the same on both sides)."""
 
 
@@ -105,6 +105,9 @@ TUNED: dict[str, PeerKnobs] = {
     # fastest to held-out 0.8 (318 s, seed 0; seed 1 not measured), 3e-5 416 / 505 s, 1e-4 collapsed
     # after 3 batches on seed 0, 1e-5 655 s (2026-12-04).
     "smollm2_arith": PeerKnobs(learning_rate=5e-5, bf16=True, gradient_checkpointing=False, threads=2),
+    # LoRA (the preset's peft config, passed to GRPOTrainer as peft_config): precision, checkpointing and
+    # threads as on smollm2_arith; lr from the grid in bench/results/lora.md.
+    "smollm2_arith_lora": PeerKnobs(learning_rate=5e-4, bf16=True, gradient_checkpointing=False, threads=2),
 }
 """The setting each comparison uses: the best of ``tune`` on that workload. To update one, run its
 tuning with ``--append bench/results/<claim>.md`` on a quiet machine, paste the printed line here and
@@ -381,14 +384,22 @@ def peer_task(cfg, peer: PeerConfig, tok, recorder: _Recorder) -> tuple:
 
 
 def _clock(recorder: _Recorder, evaluator, peer: PeerConfig, *, eval_every_batches: int, max_batches: int,
-           target: float | None, snapshot=None, snapshot_every_batches: int = 0):
+           target: float | None, snapshot=None, snapshot_every_batches: int = 0, lora: bool = False):
     """The TrainerCallback that stamps batch ends, drives the evaluator and writes the snapshots
     (``snapshot(model, batch)``) (module docstring)."""
     from transformers import TrainerCallback
 
+    from dapo.weights import ADAPTER_PREFIX, adapter_file_name, is_adapter_tensor
+
     raw, pending = recorder.raw, []
 
     def submit(model, batch: int) -> None:
+        if lora:  # a PeftModel: its adapters, as dapo's learner publishes them (the evaluator applies them)
+            sd = {adapter_file_name(k.removeprefix(ADAPTER_PREFIX)): v.detach() for k, v in model.named_parameters()
+                  if is_adapter_tensor(k)}
+            evaluator.submit(sd, batch)
+            pending.append(batch)
+            return
         sd = {k: v.detach() for k, v in model.state_dict().items()}
         if getattr(model.config, "tie_word_embeddings", False):
             sd.pop("lm_head.weight", None)  # as dapo's learner sends it: the engines re-tie on load
@@ -471,14 +482,18 @@ def worker(spec: dict) -> None:
             save_snapshot(model.state_dict(), model_path, spec["snapshot_root"], batch, getattr(torch, cfg.model.dtype))
     clock, collect = _clock(recorder, evaluator, peer, eval_every_batches=spec["eval_every_batches"],
                             max_batches=spec["max_batches"], target=spec["target"], snapshot=snapshot,
-                            snapshot_every_batches=spec.get("snapshot_every_batches", 0))
+                            snapshot_every_batches=spec.get("snapshot_every_batches", 0), lora=cfg.lora.enabled)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     recorder.time_generate(model)
     try:
         with tempfile.TemporaryDirectory() as out:
             conf = grpo_config(peer, out, seed=seed, max_batches=spec["max_batches"])
+            # LoRA workloads: dapo's peft config (rank, alpha, dropout, target modules), the same LoraConfig
+            from dapo.lora import peft_config
+
             trainer = GRPOTrainer(model=model, processing_class=tok, train_dataset=rows, args=conf,
-                                  callbacks=[clock], reward_funcs=rewards)
+                                  callbacks=[clock], reward_funcs=rewards,
+                                  peft_config=peft_config(cfg.lora) if cfg.lora.enabled else None)
             trainer.train()
             recorder.raw["resolved"] = _resolved(conf, trainer)  # after train(): it turns checkpointing on
         if evaluator is not None:

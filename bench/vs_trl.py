@@ -69,10 +69,11 @@ from bench.peer_trl import WORKLOADS, PeerKnobs, batch_seconds, choose, knob_gri
 TARGET = 0.8
 """Held-out accuracy both sides race to (``--target``)."""
 EVAL_EVERY_BATCHES = 5
-MAX_BATCHES = {"default": 200, "smollm2_arith": 40}
+MAX_BATCHES = {"default": 200, "smollm2_arith": 40, "smollm2_arith_lora": 40}
 """Per workload (``--workload``, peer_trl.WORKLOADS): a run that has not reached the target by then
 stops and is reported as not reached (``--max-batches``)."""
-DAPO_EXTRA = {"default": [], "smollm2_arith": ["learner.eval_on=learner"]}
+DAPO_EXTRA = {"default": [], "smollm2_arith": ["learner.eval_on=learner"],
+              "smollm2_arith_lora": ["learner.eval_on=learner"]}
 """`dapo run` overrides beyond the workload's own: the preset evaluates on the actors' vLLM engine;
 here dapo uses the peer's instrument (the forked HF-generate Evaluator, charged to both sides)."""
 
