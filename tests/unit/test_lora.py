@@ -190,3 +190,29 @@ def test_a_version_names_its_base_the_checksum_covers_it_and_the_store_keeps_the
         assert torch.equal(held.buf, base_buf)
     with pytest.raises(KeyError):
         store.acquire(0).__enter__()
+
+
+def test_a_lora_snapshot_is_a_peft_adapter_folder_that_dapo_eval_resolves_to_its_base(tmp_path):
+    import dataclasses
+    import json
+
+    from safetensors.torch import load_file
+
+    from actors.eval_settings import adapter_lora, adapter_of
+    from learner.lora import adapter_state_dict
+    from learner.snapshots import save_snapshot
+
+    base = tmp_path / "base"
+    tiny_model().save_pretrained(base)
+    adapter = adapter_state_dict(lora_model(), keep=True)
+    folder = save_snapshot(adapter, base, tmp_path / "weights", 3, torch.bfloat16,
+                           {"lora": dataclasses.asdict(LORA), "model": {"path": str(base)}})
+    assert not (folder / "model.safetensors").exists()
+    saved = load_file(folder / "adapter_model.safetensors")
+    assert saved.keys() == adapter.keys() and all(t.dtype == torch.bfloat16 for t in saved.values())
+    assert json.loads((folder / "adapter_config.json").read_text())["r"] == LORA.rank
+    model, found = adapter_of(str(folder))
+    assert (model, found) == (str(base.resolve()), folder)
+    assert adapter_lora(found) == dataclasses.replace(LORA, target_modules=sorted(LORA.target_modules))
+    with pytest.raises(ValueError, match="needs the run's config"):
+        save_snapshot(adapter, base, tmp_path / "weights", 4, torch.bfloat16, {"lora": {"rank": 0}})
