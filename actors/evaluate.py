@@ -194,9 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "carries the run's settings), a run folder (its export hf/ with its config), or "
                              "builtin:tiny (the embedded tiny model)")
     parser.add_argument("data", metavar="DATA",
-                        help="a dataset dapo reads (verl-format .parquet/.jsonl; .json/.arrow, a `datasets` folder or "
-                             "shards with GSM8K question/answer, MATH problem/solution or TRL prompt/completion "
-                             "columns: dapo/formats.py), "
+                        help="a dataset dapo reads (verl-format .parquet/.jsonl, or any form of dapo/formats.py), "
                              f"or a built-in task's held-out split: {', '.join(BUILTIN_TASKS)} (`builtin` is the "
                              "embedded default's; a preset's own is its data.eval_path, e.g. builtin:arith for "
                              "experiment=smollm2_arith)")
