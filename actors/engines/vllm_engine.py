@@ -249,10 +249,10 @@ class VllmEngine(Engine):
             raise RuntimeError(f"vLLM did not load the LoRA adapter of version {version} from {folder} "
                                f"(its adapters: {sorted(engine.list_loras())})")
         old, self._adapter = self._adapter, request
-        if old is not None:
-            # One no request was admitted with goes now; one running requests may use, when they are done.
-            self._retired.append(old) if self._adapter_used and engine.has_unfinished_requests() \
-                else self._remove_adapters([old])
+        if old is not None and self._adapter_used and engine.has_unfinished_requests():
+            self._retired.append(old)  # running requests may use it: removed when they are done (_sample)
+        elif old is not None:
+            self._remove_adapters([old])  # no request holds it
         self._adapter_used = False
 
     def _remove_adapters(self, requests: list[Any]) -> None:
