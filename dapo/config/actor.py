@@ -48,7 +48,9 @@ class ActorConfig:
     """Prompts asked for in one lease call (one generation batch)."""
     update_mode: str = "between_batches"
     """When new weights load: ``between_batches`` or ``inflight`` (between two decoding steps of a
-    batch; every token carries the version that sampled it)."""
+    batch; every token carries the version that sampled it). With LoRA on vLLM an in-flight load
+    reaches only requests admitted after it (vLLM fixes a request's adapter at admission): running
+    ones finish on their adapter and version, unless ``inflight_reprefill`` re-admits them."""
     inflight_chunk_tokens: int = 8
     """With ``update_mode=inflight``: newer weights are looked for (and loaded) every this many
     decoding steps, i.e. tokens of each running sample."""
