@@ -4,6 +4,7 @@ the numeric verifier, the preset's settings."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -103,3 +104,13 @@ def test_smollm2_arith_preset(monkeypatch):
     assert {r["data_source"] for r in data.rows_for(cfg.data.train_path, "train", cfg)} == {"numeric"}
     with pytest.raises(ValueError, match="builtin:arith"):
         data.rows_for("builtin:arithm", "train", cfg)
+
+
+def test_smollm2_arith_lora_preset_is_smollm2_arith_with_adapters_and_a_10x_rate():
+    base, lora = load_config(["experiment=smollm2_arith"]), load_config(["experiment=smollm2_arith_lora"])
+    assert (lora.lora.rank, lora.lora.alpha, lora.learner.lr) == (4, 32.0, 1e-4)
+    assert (base.lora.rank, base.learner.lr) == (0, 1e-5)
+    # everything else is the full fine-tuning preset's: the comparison in bench/results/lora.md is one change
+    for section in ("model", "data", "algorithm", "actor"):
+        assert getattr(lora, section) == getattr(base, section), section
+    assert dataclasses.replace(lora.learner, lr=base.learner.lr) == base.learner

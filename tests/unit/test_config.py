@@ -20,9 +20,16 @@ ROWS = {
     "dapo_full": dict(GRPO, overlong_filter=True, eps_high=0.28, overlong_punishment=True,
                       loss_agg="token-mean", dynamic_sampling=True),
     # as released: the soft punishment without overlong filtering (verl's DAPO FAQ)
-    "dapo": dict(GRPO, eps_high=0.28, overlong_punishment=True, loss_agg="token-mean",
-                 dynamic_sampling=True, selective_leasing=True),  # not the paper's: bench/RESULTS.md "Selective leasing"
+    "dapo": (DAPO := dict(GRPO, eps_high=0.28, overlong_punishment=True, loss_agg="token-mean",
+                          dynamic_sampling=True, selective_leasing=True)),  # not the paper's: bench/RESULTS.md "Selective leasing"
     "dr_grpo": dict(GRPO, loss_agg="seq-mean-token-sum-norm", std_normalize=False),
+    # the staleness-correction family: the released recipe with one loss or one behaviour weight changed
+    "gspo": dict(DAPO, policy_loss="gspo", eps_low=3.0e-4, eps_high=4.0e-4, loss_agg="seq-mean-token-mean"),
+    "cispo": dict(DAPO, policy_loss="cispo", eps_low=1.0, eps_high=3.0),
+    "dapo_no_is": dict(DAPO, is_correction="none"),
+    "dapo_seq_tis": dict(DAPO, is_correction="seq_tis", tis_cap=2.0),
+    "dapo_seq_mis": dict(DAPO, is_correction="seq_mis", mis_ratio_low=0.5, mis_ratio_high=2.0),
+    "dapo_icepop": dict(DAPO, is_correction="icepop", icepop_ratio_low=0.5, icepop_ratio_high=5.0),
 }
 
 
@@ -190,7 +197,7 @@ def test_training_refuses_top_p_below_one(top_p, prox_logp):
     assert load_config([f"algorithm.prox_logp={prox_logp}", "actor.top_p=1.0"]).actor.top_p == 1.0
 
 
-CPU_PRESETS = {"long_response", "smollm2_arith", "calc_tool", "smollm2_code"}
+CPU_PRESETS = {"long_response", "smollm2_arith", "smollm2_arith_lora", "calc_tool", "smollm2_code"}
 """Experiment presets for CPU runs (tests/unit/test_long_response.py, test_arith.py and test_episodes.py
 check them); the rest are GPU runs."""
 
