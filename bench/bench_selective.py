@@ -1,7 +1,7 @@
 """Selective leasing on and off, side by side (algorithm.selective_leasing, dapo/selection.py).
 
     .venv/bin/python bench/bench_selective.py --workload arith --seeds 0 1        # the preset, 30 steps
-    .venv/bin/python bench/bench_selective.py --workload arith128 --seeds 0 1     # 128 rows: ~4 epochs in 30 steps
+    .venv/bin/python bench/bench_selective.py --workload arith128 --seeds 0 1     # 128 rows: prompts repeat
     .venv/bin/python bench/bench_selective.py --workload default --seeds 0 1 2 3  # the embedded default, to 0.8
     .venv/bin/python bench/bench_selective.py --workload arith --report           # the tables of what is done
 
@@ -30,6 +30,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -37,7 +38,11 @@ ROOT = Path(__file__).resolve().parents[1]
 DAPO = ROOT / ".venv" / "bin" / "dapo"
 WORKLOADS = {
     "arith": ["experiment=smollm2_arith", "learner.total_steps=30"],
-    "arith128": ["experiment=smollm2_arith", "learner.total_steps=30", "data.builtin_num_train_prompts=128"],
+    # 128 rows: prompts come back every ~10 steps. Without selective leasing the model solves most of
+    # them and dynamic sampling drops 200 groups in a row near step 28 (its stall budget stops the
+    # run): no budget on either arm, so that both train 30 steps.
+    "arith128": ["experiment=smollm2_arith", "learner.total_steps=30", "data.builtin_num_train_prompts=128",
+                 "algorithm.max_consecutive_filtered_groups=0"],
     "default": ["learner.total_steps=150", "run.stop_at_target=true", "learner.eval_every_steps=5"],
 }
 ARMS = {"off": ["algorithm.selective_leasing=false"], "on": ["algorithm.selective_leasing=true"]}
@@ -54,18 +59,46 @@ def run_one(workload: str, arm: str, seed: int, work: Path) -> dict:
             f"run.cache_dir={ROOT / '.cache' / 'dapo'}", "transport.grpc_port=0", "transport.zmq_port=0",
             "weights.side_channel_port=0", "weights.collective_port=0"]
     load_before = os.getloadavg()
+    samples: list[tuple[float, int]] = []
+    done = threading.Event()
+    monitor = threading.Thread(target=watch_machine, args=(run_dir, samples, done), daemon=True)
+    monitor.start()
     t0 = time.time()
     proc = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     command_s = time.time() - t0
+    done.set()
+    monitor.join()
     (work / workload / f"{arm}-seed{seed}.stderr").write_text(proc.stderr)
-    if proc.returncode != 0:
-        raise SystemExit(f"dapo run failed (exit {proc.returncode}): {run_dir}; see its .stderr beside it")
+    # A run that fails (e.g. dynamic sampling's stall budget, algorithm.max_consecutive_filtered_groups)
+    # is a result too: its figures up to the failure and the learner's error.
+    error = "" if proc.returncode == 0 else next(
+        (ln for ln in reversed((run_dir / "logs" / "learner.log").read_text().splitlines()) if "Error" in ln or
+         "Stalled" in ln), f"exit {proc.returncode}")
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    result = {"workload": workload, "arm": arm, "seed": seed, "command_s": command_s, "load_before": load_before,
-              "load_after": os.getloadavg(), "final_line": proc.stderr.strip().splitlines()[-1],
+    result = {"workload": workload, "arm": arm, "seed": seed, "error": error, "command_s": command_s,
+              "load_before": load_before,
+              "load_after": os.getloadavg(),
+              "load1_mean": statistics.mean(x for x, _ in samples) if samples else None,
+              "other_learners_share": statistics.mean(n > 0 for _, n in samples) if samples else None,
+              "final_line": proc.stderr.strip().splitlines()[-1],
               **figures(recs, t0)}
     out.write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+def watch_machine(run_dir: Path, samples: list[tuple[float, int]], done: threading.Event) -> None:
+    """Every 10 s until ``done``: (1-minute load average, learners of other runs on this machine).
+    The bench shares its 2 cores with whoever else works there; these say how much it did."""
+    while not done.wait(10.0):
+        others = 0
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                args = cmdline.read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"learner.main" in args and not any(str(run_dir).encode() in a for a in args):
+                others += 1
+        samples.append((os.getloadavg()[0], others))
 
 
 def figures(recs: list[dict], t0: float) -> dict:
@@ -112,15 +145,17 @@ def report(rows: list[dict], workload: str) -> str:
                  fmt(r["evals"].get("0")), fmt(r["startup_s"], ".1f"), sum(r["skipped"].values()),
                  fmt(r["gen_per_trained_run"])] for r in rows]
     else:
-        head = ["arm", "seed", "generated / trained, steps 1-15", "steps 16-30", "run", "filtered share 16-30",
+        head = ["arm", "seed", "steps", "generated / trained, steps 1-15", "steps 16-30", "run", "filtered share 16-30",
                 "wall to step 30 (s)", "training (s)", "s/step 16-30", "learner idle 16-30",
-                "held-out 0 / 10 / 20 / 30", "skipped (all correct / all wrong)", "retired / returned"]
-        body = [[r["arm"], r["seed"], fmt(r["gen_per_trained_first_half"]), fmt(r["gen_per_trained_second_half"]),
+                "held-out 0 / 10 / 20 / 30", "skipped (all correct / all wrong)", "retired / returned",
+                "load (1 min, mean)"]
+        body = [[r["arm"], r["seed"], f"{r['steps']}{' (failed)' if r['error'] else ''}",
+                 fmt(r["gen_per_trained_first_half"]), fmt(r["gen_per_trained_second_half"]),
                  fmt(r["gen_per_trained_run"]), fmt(r["filtered_fraction_second_half"]), fmt(r["wall_s"], ".0f"),
                  fmt(r["training_s"], ".0f"), fmt(r["step_s_second_half"], ".1f"), fmt(r["learner_idle_second_half"]),
                  " / ".join(fmt(r["evals"].get(str(s))) for s in (0, 10, 20, 30)),
                  f"{r['skipped'].get('all_correct', 0):.0f} / {r['skipped'].get('all_wrong', 0):.0f}",
-                 f"{r['retired']:.0f} / {r['returned']:.0f}"] for r in rows]
+                 f"{r['retired']:.0f} / {r['returned']:.0f}", fmt(r.get("load1_mean"), ".1f")] for r in rows]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in body]
     return "\n".join(lines)
@@ -130,7 +165,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--work", type=Path, default=Path("/work/bench_runs/selective"))
+    parser.add_argument("--work", type=Path, default=ROOT / "runs" / "bench-selective")
     parser.add_argument("--report", action="store_true", help="only print the tables of the runs already done")
     args = parser.parse_args()
     (args.work / args.workload).mkdir(parents=True, exist_ok=True)
