@@ -5,10 +5,15 @@ per-parameter path, torch's default on a CPU); and each of those per learner com
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_learner_step.py [--steps 20] [--warmup 3]
         [--prompts 8] [--samples 8] [--prompt-len 30] [--response-len 35] [--model PATH]
         [--compute-dtype float32 [bfloat16 ...]] [--modes plain fsdp2 fsdp2-per-param] [--sampled]
+        [--lora-ranks 0 [4 ...]]
 
     # fp32 against bf16 (autocast) for SmolLM2-135M, the plain module only:
     OMP_NUM_THREADS=1 .venv/bin/python bench/bench_learner_step.py --model /work/models/smollm2-135m-instruct \
         --compute-dtype float32 bfloat16 --modes plain --steps 3 --warmup 1 --prompt-len 40 --response-len 48
+
+    # full fine-tuning against LoRA (experiment=smollm2_arith_lora's adapters) at the preset's dtype:
+    OMP_NUM_THREADS=1 .venv/bin/python bench/bench_learner_step.py --model /work/models/smollm2-135m-instruct \
+        --compute-dtype bfloat16 --modes plain --lora-ranks 0 4 --steps 5 --warmup 1 --prompt-len 40 --response-len 48
 
 --model: an HF folder (float32 master weights whatever it stores); default the warm-started tiny
 model (``dapo.models.tiny.ensure_tiny_model(".cache/dapo")``, built once if absent). One gloo rank, one
@@ -21,6 +26,8 @@ alike; each reports the median over --steps steps after --warmup of ``Trainer.tr
 process CPU time and wall time, and its CPU time over the first one's. --sampled: responses sampled
 from the model itself (``make_sampled_groups``) instead of random tokens, and each mode's
 sampler-learner log-prob mismatch (train/sampler_prox_abs_logp_diff, train/sampler_prox_kl_k3).
+--lora-ranks: each (mode, dtype) once per rank, 0 being full fine-tuning (LoRA on every projection,
+alpha 32: dapo/config/lora.py's defaults).
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from dapo.config import AlgorithmConfig, LearnerConfig  # noqa: E402
+from dapo.config import AlgorithmConfig, LearnerConfig, LoraConfig  # noqa: E402
 from dapo.wire import TrajectoryGroup  # noqa: E402
 from learner.batch import RankShard, from_groups, scatter_batch  # noqa: E402
 from learner.trainer import Trainer, TrainerSettings  # noqa: E402
@@ -135,6 +142,7 @@ def main() -> None:
     ap.add_argument("--sampled", action="store_true",
                     help="responses sampled from the model (fp32, the built-in task's prompts) instead of random "
                          "tokens; prints each mode's sampler-learner mismatch")
+    ap.add_argument("--lora-ranks", type=int, nargs="+", default=[0], help="LoRA ranks to run (0: full fine-tuning)")
     harness.add_append(ap)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -146,9 +154,10 @@ def main() -> None:
     dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/pg", rank=0, world_size=1)
     alg = AlgorithmConfig(num_prompts_per_step=args.prompts, num_samples_per_prompt=args.samples)
 
-    def trainer(mode: str, compute_dtype: str) -> Trainer:
+    def trainer(mode: str, compute_dtype: str, lora_rank: int) -> Trainer:
         settings = TrainerSettings(LearnerConfig(warmup_steps=0, compute_dtype=compute_dtype), alg, temperature=1.0,
-                                   token_sum_norm=float(2 * args.response_len), shard_single_rank=mode != "plain")
+                                   token_sum_norm=float(2 * args.response_len), shard_single_rank=mode != "plain",
+                                   lora=LoraConfig(rank=lora_rank))
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
         t = Trainer(model, settings, torch.device("cpu"))
         return per_parameter_adamw(t) if mode == "fsdp2-per-param" else t
@@ -159,8 +168,10 @@ def main() -> None:
     trainers = {}
     for mode in args.modes:
         for dtype in args.compute_dtype:
-            t = trainer(mode, dtype)
-            trainers[f"{MODES[mode]}, {str(t.compute_dtype).removeprefix('torch.')}"] = t
+            for rank in args.lora_ranks:
+                t = trainer(mode, dtype, rank)
+                lora = f", LoRA rank {rank}" if rank else ""
+                trainers[f"{MODES[mode]}, {str(t.compute_dtype).removeprefix('torch.')}{lora}"] = t
     first = next(iter(trainers.values()))
     shard: RankShard = scatter_batch(from_groups(groups, alg), num_minibatches=alg.num_minibatches_per_step,
                                      max_tokens_per_microbatch=first.settings.learner.max_tokens_per_microbatch)

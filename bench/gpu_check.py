@@ -16,6 +16,8 @@ Checks:
              (learner.logprob_chunk_tokens=0), chunked (1024), chunked + activation checkpointing,
              and chunked + checkpointing + CPU offload. One JSON line per shape; a variant that runs
              out of device memory is reported as such. --small: tiny model, 512 tokens.
+  lora_step  the bf16 learner step at the 0.5B shape (chunked log-probs), full fine-tuning against LoRA
+             rank 16 on every projection: step time, peak memory, the same first loss (needs peft).
   publish    0.5B Qwen2 (Qwen2.5-0.5B shape, random init, bf16 on the wire): FSDP full-state gather
              to CPU, serialise + blake3, and a network fetch by a separate client process over the
              raw TCP side channel (verified); seconds for each stage.
@@ -147,9 +149,10 @@ SHAPES = {  # Qwen2.5 shapes (tied embeddings, vocabulary 151,936)
 }
 
 
-def _learner_variant(device: torch.device, cfg, batch, overrides: dict) -> dict:
+def _learner_variant(device: torch.device, cfg, batch, overrides: dict, lora=None) -> dict:
     """Build a Trainer on a fresh random-init model (made on the device: fast), one warm-up step,
-    then one timed step with the peak-memory counter reset."""
+    then one timed step with the peak-memory counter reset. ``lora``: a LoraConfig (adapters injected
+    by the Trainer, as in a run with lora.rank > 0)."""
     import dataclasses
     import gc
 
@@ -166,7 +169,7 @@ def _learner_variant(device: torch.device, cfg, batch, overrides: dict) -> dict:
     # FSDP2 (its mixed precision) for every variant, as CPU offload needs it: one precision path,
     # so the variants' first-step losses compare (one plain rank would autocast instead).
     st = dataclasses.replace(st, algorithm=AlgorithmConfig(prox_logp="recompute"), shard_single_rank=True,
-                             learner=dataclasses.replace(st.learner, **overrides))
+                             learner=dataclasses.replace(st.learner, **overrides), **({"lora": lora} if lora else {}))
     trainer = Trainer(model, st, device)
     shard = shard_local(batch, num_minibatches=1, world_size=1, rank=0,
                         max_tokens_per_microbatch=int(batch.seq_lens.sum()))
@@ -197,6 +200,47 @@ def _learner_variant(device: torch.device, cfg, batch, overrides: dict) -> dict:
     return out
 
 
+def _learner_batch(small: bool):
+    """One micro-batch of random tokens: 16 sequences x 1024 (4 x 128 with ``small``), 128 (16) prompt tokens each."""
+    from learner.batch import SampleBatch
+
+    num_seqs, seq_len, prompt_len = (4, 128, 16) if small else (16, 1024, 128)
+    vocab = 512 if small else 151936
+    g = torch.Generator().manual_seed(0)
+    mask = torch.cat([torch.zeros(prompt_len), torch.ones(seq_len - prompt_len)]).repeat(num_seqs)
+    tokens = torch.randint(0, vocab, (num_seqs * seq_len,), generator=g)
+    return vocab, SampleBatch(tokens, torch.full((num_seqs,), seq_len), torch.arange(num_seqs) // 4,
+                              -torch.rand(num_seqs * seq_len, generator=g) * 3 * mask, mask,
+                              torch.randn(num_seqs, generator=g))
+
+
+def check_lora_step(device: torch.device, small: bool) -> dict:
+    """The bf16 learner step at the 0.5B shape (chunked log-probs) with full fine-tuning and with LoRA
+    (rank 16 on every projection: experiment=smollm2_arith_lora's targets): step time, peak memory, and
+    the first step's loss, equal on both (LoRA's B starts at zero: the same function)."""
+    import math
+
+    from transformers import Qwen2Config
+
+    from dapo.config import LoraConfig
+
+    dims = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2) if small else SHAPES["0.5b"]
+    vocab, batch = _learner_batch(small)
+    cfg = Qwen2Config(vocab_size=vocab, tie_word_embeddings=True, max_position_embeddings=4096,
+                      attn_implementation="sdpa", **dims)
+    out = {"check": "lora_step", "shape": "tiny" if small else "0.5b", "tokens": int(batch.seq_lens.sum())}
+    for name, lora in (("full", None), ("lora_r16", LoraConfig(rank=16))):
+        out[name] = _learner_variant(device, cfg, batch, LEARNER_VARIANTS["chunked"], lora=lora)
+        print(json.dumps({"check": "lora_step", "variant": name, **out[name]}), flush=True)
+    full, lora = out["full"], out["lora_r16"]
+    out["ok"] = all("loss_first" in r and math.isfinite(r["loss"]) for r in (full, lora)) and \
+        abs(lora["loss_first"] - full["loss_first"]) <= 1e-3 + 1e-2 * abs(full["loss_first"])
+    if out["ok"]:
+        out["step_ratio_lora_to_full"] = lora["step_s"] / full["step_s"]
+    return out
+
+
 def check_learner_step(device: torch.device, small: bool) -> dict:
     """Peak memory and time of a bf16 learner step per log-prob / checkpointing / offload variant."""
     import math
@@ -204,19 +248,11 @@ def check_learner_step(device: torch.device, small: bool) -> dict:
 
     from transformers import Qwen2Config
 
-    from learner.batch import SampleBatch
-
     shapes = {"tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2)} if small else SHAPES
-    num_seqs, seq_len, prompt_len = (4, 128, 16) if small else (16, 1024, 128)
-    vocab = 512 if small else 151936
-    g = torch.Generator().manual_seed(0)
-    mask = torch.cat([torch.zeros(prompt_len), torch.ones(seq_len - prompt_len)]).repeat(num_seqs)
-    tokens = torch.randint(0, vocab, (num_seqs * seq_len,), generator=g)
-    batch = SampleBatch(tokens, torch.full((num_seqs,), seq_len),
-                        torch.arange(num_seqs) // 4, -torch.rand(num_seqs * seq_len, generator=g) * 3 * mask, mask,
-                        torch.randn(num_seqs, generator=g))
-    out = {"check": "learner_step", "tokens": num_seqs * seq_len, "loss_tokens": int(mask.sum()), "ok": True}
+    vocab, batch = _learner_batch(small)
+    out = {"check": "learner_step", "tokens": int(batch.seq_lens.sum()), "loss_tokens": int(batch.loss_mask.sum()),
+           "ok": True}
     for shape, dims in shapes.items():
         cfg = Qwen2Config(vocab_size=vocab, tie_word_embeddings=True, max_position_embeddings=4096,
                           attn_implementation="sdpa", **dims)
@@ -450,8 +486,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="tiny model everywhere (a CPU dry run)")
-    ap.add_argument("--checks", nargs="+", default=["exactness", "bf16_step", "learner_step", "publish", "collective",
-                                                    "publish_direct", "cuda_ipc"])
+    ap.add_argument("--checks", nargs="+", default=["exactness", "bf16_step", "learner_step", "lora_step", "publish",
+                                                    "collective", "publish_direct", "cuda_ipc"])
     ap.add_argument("--ipc-actor", type=int, default=0, help=argparse.SUPPRESS)  # check cuda_ipc's actor process
     ap.add_argument("--model", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -472,6 +508,7 @@ def main() -> None:
             t0 = time.perf_counter()
             try:
                 out = {"exactness": check_exactness, "bf16_step": check_bf16_step, "learner_step": check_learner_step,
+                       "lora_step": check_lora_step,
                        "publish": check_publish, "collective": check_collective,
                        "publish_direct": check_publish_direct, "cuda_ipc": check_cuda_ipc}[name](device, args.small)
             except Exception as exc:  # noqa: BLE001 - report every check, then fail
