@@ -106,7 +106,9 @@ TUNED: dict[str, PeerKnobs] = {
     # after 3 batches on seed 0, 1e-5 655 s (2026-12-04).
     "smollm2_arith": PeerKnobs(learning_rate=5e-5, bf16=True, gradient_checkpointing=False, threads=2),
     # LoRA (the preset's peft config, passed to GRPOTrainer as peft_config): precision, checkpointing and
-    # threads as on smollm2_arith; lr from the grid in bench/results/lora.md.
+    # threads as on smollm2_arith; lr 10x the peer's tuned full fine-tuning lr (LoRA Without Regret's rule;
+    # dapo's own sweep found 30x its full lr best: bench/results/lora.md). Not tuned by a grid of its own:
+    # one inline evaluation of SmolLM2 takes ~2 minutes here.
     "smollm2_arith_lora": PeerKnobs(learning_rate=5e-4, bf16=True, gradient_checkpointing=False, threads=2),
 }
 """The setting each comparison uses: the best of ``tune`` on that workload. To update one, run its
