@@ -113,3 +113,24 @@ class DapoCommand:
 
     def close(self) -> None:
         kill_tree(self.proc)
+
+
+PORTS_ZERO = ("transport.grpc_port=0", "transport.zmq_port=0", "weights.side_channel_port=0",
+              "weights.collective_port=0")
+"""Every port picked by the OS: the launcher reads the learner's ports from its start-up line."""
+
+
+def dapo_run(overrides: list[str], *, timeout_s: float, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """``python -m dapo.launch.run OVERRIDES`` with the repo's model cache and ports 0 (overrides come
+    last and win), in a session of its own, killed with all it started if it outlives ``timeout_s``.
+    Returns its exit code and its output (stdout and stderr)."""
+    argv = [sys.executable, "-m", "dapo.launch.run", f"run.cache_dir={ROOT / '.cache' / 'dapo'}", *PORTS_ZERO,
+            *overrides]
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc)
+        out, _ = proc.communicate()
+    return proc.returncode, out.decode(errors="replace")

@@ -6,15 +6,11 @@ per-age diagnostics name that age."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-
 import pytest
 
 from dapo.plots import read_metrics
-from tests.chaos.cluster import ROOT, audit_run, check_audit, effective_trained, read_jsonl, trained_generations
+from tests.chaos.cluster import audit_run, check_audit, effective_trained, read_jsonl, trained_generations
+from tests.procs import dapo_run
 
 pytestmark = pytest.mark.slow
 
@@ -27,18 +23,9 @@ def test_every_trained_group_is_exactly_k_versions_old_by_the_actors_token_versi
     overrides = [f"run.run_dir={run_dir}", f"learner.total_steps={STEPS}", "learner.eval_every_steps=0",
                  f"learner.checkpoint_every_steps={STEPS}", "run.num_actors=1", f"algorithm.num_prompts_per_step={N}",
                  "algorithm.num_minibatches_per_step=2", f"algorithm.controlled_lag_steps={K}",
-                 f"algorithm.max_staleness_steps={K}", "algorithm=dapo_seq_mis", f"run.cache_dir={ROOT / '.cache' / 'dapo'}",
-                 "transport.grpc_port=0", "transport.zmq_port=0", "weights.side_channel_port=0",
-                 "weights.collective_port=0"]
-    proc = subprocess.Popen([sys.executable, "-m", "dapo.launch.run", *overrides], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=360)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, text[-4000:]
+                 f"algorithm.max_staleness_steps={K}", "algorithm=dapo_seq_mis"]
+    rc, text = dapo_run(overrides, timeout_s=360)
+    assert rc == 0, text[-4000:]
 
     report = audit_run(run_dir, total_steps=STEPS, num_prompts_per_step=N, max_staleness_steps=K)
     assert check_audit(report) == [], report  # exactly once, within the bound, the learner agrees with the actor

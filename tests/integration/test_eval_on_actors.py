@@ -4,15 +4,13 @@ through eval leases and scored by its verifier (actor.reward_fn), not by a forke
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from dapo.plots import read_metrics
 from tests.chaos.cluster import ROOT
+from tests.procs import dapo_run
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).resolve().parent
@@ -31,24 +29,15 @@ def test_dapo_run_evaluates_on_the_actors_with_their_verifier(tmp_path):
     held_out = build_dataset(DapoConfig(), "eval", tokenizer)
     even = sum(int(held_out[i].ground_truth) % 2 == 0 for i in range(len(held_out)))
     run_dir = tmp_path / "run"
-    overrides = [f"run.run_dir={run_dir}", f"run.cache_dir={ROOT / '.cache' / 'dapo'}", "actor.engine=torch",
+    overrides = [f"run.run_dir={run_dir}", "actor.engine=torch",
                  f"learner.total_steps={STEPS}", f"learner.eval_every_steps={EVAL_EVERY}", "learner.eval_on=actors",
                  "learner.checkpoint_every_steps=0", "actor.reward_fn=actor_rewards:even_answer",
                  # the reward is the same for every sample of a prompt: no group would pass the filter
-                 "algorithm.dynamic_sampling=false", "algorithm.num_prompts_per_step=4", "actor.prompts_per_lease=4",
-                 "transport.grpc_port=0", "transport.zmq_port=0", "weights.side_channel_port=0",
-                 "weights.collective_port=0"]
+                 "algorithm.dynamic_sampling=false", "algorithm.num_prompts_per_step=4", "actor.prompts_per_lease=4"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(HERE)])}  # HERE: actor_rewards
-    proc = subprocess.Popen([sys.executable, "-m", "dapo.launch.run", *overrides], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=200)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    text = out.decode(errors="replace")
+    rc, text = dapo_run(overrides, timeout_s=200, env=env)
     learner_log = (run_dir / "logs" / "learner.log").read_text()
-    assert proc.returncode == 0, text[-3000:] + learner_log[-3000:]
+    assert rc == 0, text[-3000:] + learner_log[-3000:]
 
     records = read_metrics(run_dir / "metrics.jsonl")
     evals = {int(r["step"]): r for r in records if "eval/num_prompts" in r}

@@ -13,10 +13,6 @@ bench/results/gsm8k.md.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -24,7 +20,7 @@ import pytest
 
 from dapo.tasks import addition, arith
 from dapo.plots import read_metrics
-from tests.chaos.cluster import ROOT
+from tests.procs import dapo_run
 
 pytestmark = pytest.mark.slow
 
@@ -61,21 +57,12 @@ def _run_gsm8k(tmp_path, records, steps: int, n: int, num_eval: int, extra: list
     eval_path.write_text("".join(json.dumps({"question": r["question"], "answer": r["answer"]}) + "\n"
                                  for r in records("eval", num_eval)))
     run_dir = tmp_path / "run"
-    overrides = [*extra, f"run.run_dir={run_dir}", f"run.cache_dir={ROOT / '.cache' / 'dapo'}",
-                 "run.num_actors=1", f"data.train_path={train_path}", f"data.eval_path={eval_path}",
-                 f"learner.total_steps={steps}", f"learner.eval_every_steps={steps}", "learner.checkpoint_every_steps=0",
-                 f"algorithm.num_prompts_per_step={n}", "transport.grpc_port=0", "transport.zmq_port=0",
-                 "weights.side_channel_port=0", "weights.collective_port=0"]
-    proc = subprocess.Popen([sys.executable, "-m", "dapo.launch.run", *overrides], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    text = out.decode(errors="replace")
+    overrides = [*extra, f"run.run_dir={run_dir}", "run.num_actors=1", f"data.train_path={train_path}",
+                 f"data.eval_path={eval_path}", f"learner.total_steps={steps}", f"learner.eval_every_steps={steps}",
+                 "learner.checkpoint_every_steps=0", f"algorithm.num_prompts_per_step={n}"]
+    rc, text = dapo_run(overrides, timeout_s=timeout_s)
     learner_log = (run_dir / "logs" / "learner.log").read_text() if (run_dir / "logs" / "learner.log").is_file() else ""
-    assert proc.returncode == 0, text[-3000:] + learner_log[-3000:]
+    assert rc == 0, text[-3000:] + learner_log[-3000:]
 
     records = read_metrics(run_dir / "metrics.jsonl")
     trained_steps = [r for r in records if "train/accuracy" in r]

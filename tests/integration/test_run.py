@@ -17,6 +17,7 @@ import torch
 
 from dapo.plots import read_metrics
 from tests.chaos.cluster import ROOT, audit_run, check_audit
+from tests.procs import dapo_run
 
 pytestmark = pytest.mark.slow
 
@@ -27,20 +28,11 @@ STEPS, EVAL_EVERY, N, K = 40, 20, 8, 1
 def test_dapo_run_learns_within_the_staleness_bound_and_writes_the_run_folder(tmp_path):
     run_dir = tmp_path / "run"
     overrides = [f"run.run_dir={run_dir}", f"learner.total_steps={STEPS}", f"learner.eval_every_steps={EVAL_EVERY}",
-                 f"learner.checkpoint_every_steps={STEPS}", f"learner.save_weights_every_steps={EVAL_EVERY}", "run.num_actors=2", "actor.engine=vllm", f"algorithm.num_prompts_per_step={N}",
-                 f"algorithm.max_staleness_steps={K}", f"run.cache_dir={ROOT / '.cache' / 'dapo'}",
-                 # port 0 everywhere: the launcher reads the learner's ports from its start-up line
-                 "transport.grpc_port=0", "transport.zmq_port=0", "weights.side_channel_port=0",
-                 "weights.collective_port=0"]
-    proc = subprocess.Popen([sys.executable, "-m", "dapo.launch.run", *overrides], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=540)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, text[-4000:]
+                 f"learner.checkpoint_every_steps={STEPS}", f"learner.save_weights_every_steps={EVAL_EVERY}",
+                 "run.num_actors=2", "actor.engine=vllm", f"algorithm.num_prompts_per_step={N}",
+                 f"algorithm.max_staleness_steps={K}"]
+    rc, text = dapo_run(overrides, timeout_s=540)
+    assert rc == 0, text[-4000:]
 
     records = read_metrics(run_dir / "metrics.jsonl")
     evals = [(r["step"], r["eval/accuracy"]) for r in records if "eval/accuracy" in r]
