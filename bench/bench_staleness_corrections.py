@@ -67,7 +67,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=60, help="training steps of each run (the fixed step)")
     parser.add_argument("--eval-every", type=int, default=10, help="held-out evaluation every K steps")
     parser.add_argument("--name", default="grid", help="sweep name (folder sweep-<name> under --out)")
-    parser.add_argument("--out", default="/work/bench_runs/stale", help="parent folder of the sweep folder")
+    parser.add_argument("--out", default=str(harness.ROOT / "runs" / "bench-staleness"),
+                        help="parent folder of the sweep folder")
     parser.add_argument("--max-load", type=float, default=3.0, help="start a run only below this 1-minute load")
     parser.add_argument("--poll-s", type=float, default=60.0, help="how often to look again while not quiet")
     parser.add_argument("overrides", nargs="*", help="overrides for every run (after --)")
