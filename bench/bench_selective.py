@@ -34,8 +34,9 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-DAPO = ROOT / ".venv" / "bin" / "dapo"
+import harness
+
+ROOT = harness.ROOT
 WORKLOADS = {
     "arith": ["experiment=smollm2_arith", "learner.total_steps=30"],
     # 128 rows: prompts come back every ~10 steps. Without selective leasing the model solves most of
@@ -54,10 +55,9 @@ def run_one(workload: str, arm: str, seed: int, work: Path) -> dict:
     if out.exists():
         return json.loads(out.read_text())
     run_dir = work / workload / f"{arm}-seed{seed}"
-    argv = [str(DAPO), "run", *WORKLOADS[workload], *ARMS[arm], f"run.seed={seed}", f"learner.seed={seed}",
-            f"actor.seed={seed}", f"run.run_dir={run_dir}", "run.overwrite=true",
-            f"run.cache_dir={ROOT / '.cache' / 'dapo'}", "transport.grpc_port=0", "transport.zmq_port=0",
-            "weights.side_channel_port=0", "weights.collective_port=0"]
+    argv = harness.dapo_run_argv([*WORKLOADS[workload], *ARMS[arm], f"run.seed={seed}", f"learner.seed={seed}",
+                                  f"actor.seed={seed}", "run.overwrite=true", f"run.cache_dir={harness.CACHE_DIR}"],
+                                 run_dir)
     load_before = os.getloadavg()
     samples: list[tuple[float, int]] = []
     done = threading.Event()

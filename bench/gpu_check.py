@@ -169,7 +169,7 @@ def _learner_variant(device: torch.device, cfg, batch, overrides: dict, lora=Non
     # FSDP2 (its mixed precision) for every variant, as CPU offload needs it: one precision path,
     # so the variants' first-step losses compare (one plain rank would autocast instead).
     st = dataclasses.replace(st, algorithm=AlgorithmConfig(prox_logp="recompute"), shard_single_rank=True,
-                             learner=dataclasses.replace(st.learner, **overrides), **({"lora": lora} if lora else {}))
+                             learner=dataclasses.replace(st.learner, **overrides), lora=lora or st.lora)
     trainer = Trainer(model, st, device)
     shard = shard_local(batch, num_minibatches=1, world_size=1, rank=0,
                         max_tokens_per_microbatch=int(batch.seq_lens.sum()))

@@ -122,11 +122,16 @@ PORTS_ZERO = ("transport.grpc_port=0", "transport.zmq_port=0", "weights.side_cha
 
 def dapo_run(overrides: list[str], *, timeout_s: float, env: dict[str, str] | None = None) -> tuple[int, str]:
     """``python -m dapo.launch.run OVERRIDES`` with the repo's model cache and ports 0 (overrides come
-    last and win), in a session of its own, killed with all it started if it outlives ``timeout_s``.
+    last and win): ``run_output``'s exit code and output."""
+    return run_output([sys.executable, "-m", "dapo.launch.run", f"run.cache_dir={ROOT / '.cache' / 'dapo'}",
+                       *PORTS_ZERO, *overrides], timeout_s=timeout_s, env=env)
+
+
+def run_output(argv: list[str], *, timeout_s: float, cwd: Path = ROOT, env: dict[str, str] | None = None
+               ) -> tuple[int, str]:
+    """``argv`` in a session of its own, killed with all it started if it outlives ``timeout_s``.
     Returns its exit code and its output (stdout and stderr)."""
-    argv = [sys.executable, "-m", "dapo.launch.run", f"run.cache_dir={ROOT / '.cache' / 'dapo'}", *PORTS_ZERO,
-            *overrides]
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout_s)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -17,7 +16,7 @@ import torch
 
 from dapo.plots import read_metrics
 from tests.chaos.cluster import ROOT, audit_run, check_audit
-from tests.procs import dapo_run
+from tests.procs import PORTS_ZERO, dapo_run, run_output
 
 pytestmark = pytest.mark.slow
 
@@ -71,16 +70,6 @@ def test_dapo_run_learns_within_the_staleness_bound_and_writes_the_run_folder(tm
     assert str(run_dir) not in ps
 
 
-def _dapo(args: list[str], cwd=ROOT, timeout_s: float = 240) -> tuple[int, str]:
-    proc = subprocess.Popen(args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    return proc.returncode, out.decode(errors="replace")
-
-
 @pytest.mark.timeout(540)
 def test_each_run_writes_its_own_folder_and_a_used_folder_is_refused(tmp_path):
     """A 2-step run after a 3-step one exports its own model (it once exported the older run's
@@ -88,10 +77,9 @@ def test_each_run_writes_its_own_folder_and_a_used_folder_is_refused(tmp_path):
     before starting anything, the folder untouched."""
     latest = tmp_path / "runs" / "latest"
     common = [f"run.cache_dir={ROOT / '.cache' / 'dapo'}", "run.num_actors=1", "actor.engine=torch",
-              "learner.eval_every_steps=0", "transport.grpc_port=0", "transport.zmq_port=0",
-              "weights.side_channel_port=0", "weights.collective_port=0"]
+              "learner.eval_every_steps=0", *PORTS_ZERO]
     run = [sys.executable, "-m", "dapo.launch.run", *common]
-    rc, out = _dapo([*run, f"run.run_dir={latest}", "learner.total_steps=3"])
+    rc, out = run_output([*run, f"run.run_dir={latest}", "learner.total_steps=3"], timeout_s=240)
     assert rc == 0, out[-3000:]
     first = latest.parent / os.readlink(latest)
     assert f"dapo run: run folder {first} ({latest} points to it)" in out
@@ -99,15 +87,16 @@ def test_each_run_writes_its_own_folder_and_a_used_folder_is_refused(tmp_path):
     before = {p: p.read_bytes() for p in (first / "metrics.jsonl", first / "trained_prompts.jsonl",
                                           first / "hf" / "model.safetensors")}
 
-    rc, out = _dapo([*run, f"run.run_dir={first}", "learner.total_steps=2"], timeout_s=120)
+    rc, out = run_output([*run, f"run.run_dir={first}", "learner.total_steps=2"], timeout_s=120)
     assert rc == 2 and out.strip().splitlines()[-1] == (
         f"dapo run: run.run_dir={first} holds another run (trained to step 3, checkpoint step_3): continue it with "
         "learner.resume=latest, replace it with run.overwrite=true, or pass a new run.run_dir"), out[-3000:]
-    rc, out = _dapo([sys.executable, "-m", "dapo.launch.learner_pool", *common, f"run.run_dir={first}"], timeout_s=120)
+    rc, out = run_output([sys.executable, "-m", "dapo.launch.learner_pool", *common, f"run.run_dir={first}"],
+                         timeout_s=120)
     assert rc == 2 and out.strip().splitlines()[-1].startswith(
         f"dapo learner: run.run_dir={first} holds another run (trained to step 3, checkpoint step_3)"), out[-3000:]
 
-    rc, out = _dapo([*run, f"run.run_dir={latest}", "learner.total_steps=2"])
+    rc, out = run_output([*run, f"run.run_dir={latest}", "learner.total_steps=2"], timeout_s=240)
     assert rc == 0, out[-3000:]
     second = latest.parent / os.readlink(latest)
     assert second != first and f"dapo run: HF export of step_2 in {second / 'hf'}" in out
