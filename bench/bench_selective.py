@@ -3,6 +3,7 @@
     .venv/bin/python bench/bench_selective.py --workload arith --seeds 0 1        # the preset, 30 steps
     .venv/bin/python bench/bench_selective.py --workload arith128 --seeds 0 1     # 128 rows: prompts repeat
     .venv/bin/python bench/bench_selective.py --workload default --seeds 0 1 2 3  # the embedded default, to 0.8
+    .venv/bin/python bench/bench_selective.py --workload arith --seeds 0 1 --arms off on fact  # + shared histories
     .venv/bin/python bench/bench_selective.py --workload arith --report           # the tables of what is done
 
 One `dapo run` at a time, the arms interleaved within each seed (off, on, then the next seed) so a
@@ -46,7 +47,10 @@ WORKLOADS = {
                  "algorithm.max_consecutive_filtered_groups=0"],
     "default": ["learner.total_steps=150", "run.stop_at_target=true", "learner.eval_every_steps=5"],
 }
-ARMS = {"off": ["algorithm.selective_leasing=false"], "on": ["algorithm.selective_leasing=true"]}
+ARMS = {"off": ["algorithm.selective_leasing=false"], "on": ["algorithm.selective_leasing=true"],
+        # The rule on each arithmetic fact's history (builtin:arith rows only): a row's siblings
+        # (the same fact in other words) decide for it before it was ever leased.
+        "fact": ["algorithm.selective_leasing=true", "algorithm.selective_history_key=extra_info.fact"]}
 HALF = 15
 
 
@@ -166,12 +170,14 @@ def main() -> int:
     parser.add_argument("--workload", choices=sorted(WORKLOADS), required=True)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "bench-selective")
+    parser.add_argument("--arms", nargs="+", choices=sorted(ARMS), default=["off", "on"],
+                        help="which arms, in this order within each seed (fact: builtin:arith workloads only)")
     parser.add_argument("--report", action="store_true", help="only print the tables of the runs already done")
     args = parser.parse_args()
     (args.work / args.workload).mkdir(parents=True, exist_ok=True)
     rows = []
     for seed in args.seeds:
-        for arm in ARMS:
+        for arm in args.arms:
             done = (args.work / args.workload / f"{arm}-seed{seed}.json").exists()
             if args.report and not done:
                 continue

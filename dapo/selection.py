@@ -25,8 +25,13 @@ dapo's variant (what differs from the paper, and why):
    prompt's chance of being leased each time the data cursor reaches it (no prompt starves: it is
    skipped ``k`` epochs in a row with probability at most ``(1 - min_keep) ** k``).
 3. Which ``p_e``: the latest group's kind (a streak may mix all-correct and all-wrong groups).
-4. The history is the last ``HISTORY_GROUPS`` groups of the prompt, so ``z <= HISTORY_GROUPS``.
-5. The coin is ``uniform(seed, prompt_id)``: a hash of the run seed and the prompt id (unique per
+4. The history is the last ``HISTORY_GROUPS`` groups of the prompt (or key, 5.), so ``z <= HISTORY_GROUPS``.
+5. Whose history (``algorithm.selective_history_key``): GRESO keeps one per prompt, which needs a
+   prompt to come back (several epochs) before it can be skipped. A key field of the rows lets rows
+   that ask the same thing (``builtin:arith``'s ``extra_info.fact``: "What is 4 + 3?", "Add 3 and 4."
+   and a word problem adding them) share one history, so a row is judged by its siblings' groups
+   before its own first lease. '' (the default) is GRESO's per-prompt history.
+6. The coin is ``uniform(seed, prompt_id)``: a hash of the run seed and the prompt id (unique per
    epoch, learner/ledger.py), so a decision does not depend on the order of calls and a run is
    reproducible given its seed and its histories.
 

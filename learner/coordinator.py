@@ -43,7 +43,7 @@ from learner.admission import Admission
 from learner.eval_jobs import EvalJobs, EvalPrompt, EvalScore
 from learner.lag import LagBook
 from learner.leases import HeartbeatReply, Lease, LeaseReply, LeaseResult
-from learner.ledger import SETTLED, PromptLedger, PromptSource
+from learner.ledger import SETTLED, HistoryKeys, PromptLedger, PromptSource
 from learner.registry import ActorInfo, ActorRegistry, UnknownActor
 
 
@@ -52,14 +52,17 @@ class Coordinator:
                  queue_max_groups: int, heartbeat_timeout_s: float, lease_timeout_s: float,
                  lease_retry_after_s: float = 0.25, seed: int = 0, max_epochs: int = 0,
                  eval_jobs: EvalJobs | None = None, selection: SelectionRule | None = None,
-                 lag: LagSchedule | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 lag: LagSchedule | None = None, history_keys: HistoryKeys | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """``selection``: the selective-leasing rule (None: every prompt is leased); ``lag``: the
-        controlled lag's schedule (None: none; learner/lag.py)."""
+        controlled lag's schedule (None: none; learner/lag.py); ``history_keys``: rows that share a
+        signal history (None: each row its own; learner/ledger.py)."""
         if queue_max_groups < 1:
             raise ValueError(f"Coordinator: need queue_max_groups >= 1, got {queue_max_groups}")
         self.admission = Admission(num_prompts_per_step, max_staleness_steps)
         self.ledger = PromptLedger(source, seed=seed, max_epochs=max_epochs, selection=selection,
-                                   on_skip=lambda reason: self._count(f"prompts_skipped/{reason}"))
+                                   on_skip=lambda reason: self._count(f"prompts_skipped/{reason}"),
+                                   history_keys=history_keys)
         self.registry = ActorRegistry(heartbeat_timeout_s, clock)
         self.lag = LagBook(lag) if lag is not None else None
         self.queue_max_groups = queue_max_groups
@@ -305,7 +308,8 @@ class Coordinator:
         """Selective leasing's figures for a step record (the learner calls it once per step):
         since the previous call, groups generated (accepted from an actor: trained, filtered or
         stale later) per group trained and prompts skipped by reason; over the run, generated per
-        trained; and rows whose latest group carried no signal (``retired_rows``)."""
+        trained; and rows (history keys, with ``algorithm.selective_history_key``) whose latest group
+        carried no signal (``retired_rows``)."""
         with self._lock:
             now, last = self._counters, self._window
             delta = {k: v - last.get(k, 0) for k, v in now.items() if v != last.get(k, 0)}
@@ -313,7 +317,7 @@ class Coordinator:
             skips = {reason: delta.get(f"prompts_skipped/{reason}", 0) for reason in SKIP_REASONS.values()}
             out = {"selection/skipped_prompts": float(sum(skips.values())),
                    **{f"selection/skipped_prompts/{reason}": float(n) for reason, n in skips.items()},
-                   "selection/retired_rows": float(self.ledger.signals.retired_rows)}
+                   "selection/retired_rows": float(self.ledger.signals.retired)}
             if delta.get("groups_trained"):
                 out["selection/generated_per_trained"] = delta.get("leases_completed", 0) / delta["groups_trained"]
             if now.get("groups_trained"):

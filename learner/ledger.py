@@ -24,7 +24,9 @@ order, as a new prompt id, where the rule decides anew. So ``max_epochs`` counts
 cursor, and an epoch with skips leases fewer prompts. A row's history is the signal of each of its
 groups that settled as trained or filtered (a stale group is generated again, a queued one at a
 checkpoint too: neither is recorded), kept whether or not selective leasing is on, and saved in
-the checkpoint with the rest of the ledger.
+the checkpoint with the rest of the ledger. With history keys (``HistoryKeys``:
+``algorithm.selective_history_key``) rows of one key share one history: each of their groups is
+recorded under the key, and the rule reads the key's history for each of them.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ import numpy as np
 from dapo.selection import SelectionRule, extend, no_signal_streak, uniform
 from learner.leases import Lease, LeaseGrant
 
-STATE_FORMAT = 2
-"""2 added ``skipped`` and ``signals``; a format-1 state (none of either) still loads."""
+STATE_FORMAT = 3
+"""2 added ``skipped`` and ``signals``, 3 ``signals_by`` (the history key: '' = by row); a format-1
+state (none of them) and a format-2 one (by row) still load."""
 SETTLED = ("filtered", "stale", "trained")
 """What becomes of a queued group (``PromptLedger.settle``)."""
 
@@ -96,29 +99,39 @@ class PromptCursor:
         return self._perm
 
 
+@dataclass(frozen=True)
+class HistoryKeys:
+    """Rows that share a signal history: ``values[row]`` is the row's key, the value of the rows'
+    field ``field`` (``algorithm.selective_history_key``, ``dapo.data.field_values``)."""
+
+    field: str
+    values: Sequence[str]
+
+
 class SignalHistory:
-    """Each row's last groups as signals (dapo.selection: ``c`` all correct, ``w`` all wrong,
-    ``m`` mixed), oldest first; a row never settled has none."""
+    """The last groups of each history key (a row, or a HistoryKeys value) as signals
+    (dapo.selection: ``c`` all correct, ``w`` all wrong, ``m`` mixed), oldest first; a key never
+    settled has none."""
 
     def __init__(self) -> None:
-        self.rows: dict[int, str] = {}
+        self.histories: dict[int | str, str] = {}
 
-    def __getitem__(self, row: int) -> str:
-        return self.rows.get(row, "")
+    def __getitem__(self, key: int | str) -> str:
+        return self.histories.get(key, "")
 
-    def record(self, row: int, signal: str) -> str:
-        """Append a group's signal. Returns 'retired' when the row's no-signal streak starts (its
+    def record(self, key: int | str, signal: str) -> str:
+        """Append a group's signal. Returns 'retired' when the key's no-signal streak starts (its
         prompts may be skipped from now on), 'returned' when a group with signal ends one, else ''."""
-        before = no_signal_streak(self[row])
-        self.rows[row] = after = extend(self[row], signal)
+        before = no_signal_streak(self[key])
+        self.histories[key] = after = extend(self[key], signal)
         if not before and no_signal_streak(after):
             return "retired"
         return "returned" if before and not no_signal_streak(after) else ""
 
     @property
-    def retired_rows(self) -> int:
-        """Rows whose latest group carried no signal (the rule may skip them)."""
-        return sum(1 for h in self.rows.values() if no_signal_streak(h))
+    def retired(self) -> int:
+        """Keys whose latest group carried no signal (the rule may skip their prompts)."""
+        return sum(1 for h in self.histories.values() if no_signal_streak(h))
 
 
 class PromptLedger:
@@ -126,13 +139,16 @@ class PromptLedger:
     queued (its group accepted), trained, filtered or skipped (done)."""
 
     def __init__(self, source: PromptSource, *, seed: int, max_epochs: int = 0,
-                 selection: SelectionRule | None = None, on_skip: Callable[[str], None] = lambda reason: None
-                 ) -> None:
-        """``selection``: the skip rule (None = lease every prompt); ``on_skip(reason)`` is told of each skip."""
+                 selection: SelectionRule | None = None, on_skip: Callable[[str], None] = lambda reason: None,
+                 history_keys: HistoryKeys | None = None) -> None:
+        """``selection``: the skip rule (None = lease every prompt); ``on_skip(reason)`` is told of each
+        skip; ``history_keys``: rows that share a history (None: each row its own)."""
         if len(source) < 1:
             raise ValueError("Coordinator: the prompt source is empty; check data.train_path")
+        if history_keys is not None and len(history_keys.values) != len(source):
+            raise ValueError(f"PromptLedger: {len(history_keys.values)} history keys for {len(source)} rows")
         self.source, self.num_rows, self.seed = source, len(source), seed
-        self.selection, self.on_skip = selection, on_skip
+        self.selection, self.on_skip, self.history_keys = selection, on_skip, history_keys
         self.signals = SignalHistory()
         self.cursor = PromptCursor(self.num_rows, seed=seed, max_epochs=max_epochs)
         self.next_lease_id = 1
@@ -169,13 +185,18 @@ class PromptLedger:
     def _next_fresh(self) -> int | None:
         """The cursor's next prompt that the selection rule does not skip (module docstring)."""
         while (prompt_id := self.cursor.next()) is not None:
-            history = self.signals[prompt_id % self.num_rows]
+            history = self.signals[self.history_key(prompt_id)]
             reason = self.selection.skip_reason(history, uniform(self.seed, prompt_id)) if self.selection else ""
             if not reason:
                 return prompt_id
             self.skipped.add(prompt_id)
             self.on_skip(reason)
         return None
+
+    def history_key(self, prompt_id: int) -> int | str:
+        """Whose history a prompt reads and extends: its row, or its row's HistoryKeys value."""
+        row = prompt_id % self.num_rows
+        return row if self.history_keys is None else self.history_keys.values[row]
 
     def grant(self, lease: Lease) -> LeaseGrant:
         token_ids, data_source, ground_truth = self.source.get(lease.prompt_id % self.num_rows)
@@ -215,7 +236,7 @@ class PromptLedger:
             self.pending.extendleft(prompt_ids)
             return []
         {"filtered": self.filtered, "trained": self.trained}[outcome].update(prompt_ids)
-        return [self.signals.record(p % self.num_rows, s) for p, s in zip(prompt_ids, signals)]
+        return [self.signals.record(self.history_key(p), s) for p, s in zip(prompt_ids, signals)]
 
     def audit(self) -> dict[str, int]:
         """Exactly-once books of every prompt the cursor has handed out, in prompts.
@@ -246,11 +267,17 @@ class PromptLedger:
                 "position": self.cursor.position, "next_lease_id": self.next_lease_id,
                 "pending": sorted(self.queued) + active + list(self.pending),
                 "trained": sorted(self.trained), "filtered": sorted(self.filtered), "skipped": sorted(self.skipped),
-                "signals": {str(row): h for row, h in sorted(self.signals.rows.items())}}  # JSON keys are strings
+                "signals_by": self.history_keys.field if self.history_keys else "",
+                "signals": {str(key): h for key, h in sorted(self.signals.histories.items(), key=lambda kv: str(kv[0]))}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["format"] not in (1, STATE_FORMAT):
-            raise ValueError(f"coordinator state format {state['format']}, expected 1 or {STATE_FORMAT}")
+        if state["format"] not in (1, 2, STATE_FORMAT):
+            raise ValueError(f"coordinator state format {state['format']}, expected 1 to {STATE_FORMAT}")
+        signals_by, ours = state.get("signals_by", ""), self.history_keys.field if self.history_keys else ""
+        if signals_by != ours:
+            raise ValueError(
+                f"coordinator checkpoint keeps its signal histories by {signals_by or 'row'!r}, this run by "
+                f"{ours or 'row'!r}; resume with algorithm.selective_history_key={signals_by!r}")
         if state["num_rows"] != self.num_rows or state["seed"] != self.seed:
             raise ValueError(
                 f"coordinator checkpoint was written for {state['num_rows']} prompts (seed {state['seed']}), this "
@@ -264,12 +291,15 @@ class PromptLedger:
         self.filtered = {int(p) for p in state["filtered"]}
         if state["format"] >= 2:  # format 1 predates selective leasing: nothing skipped, no history
             self.skipped = {int(p) for p in state["skipped"]}
-            self.signals.rows = {int(row): str(h) for row, h in state["signals"].items()}
+            by_row = not signals_by  # JSON keys are strings: a row's key is its number
+            self.signals.histories = {int(key) if by_row else key: str(h) for key, h in state["signals"].items()}
 
     @classmethod
     def audit_state(cls, state: dict[str, Any]) -> dict[str, int]:
         """``audit()`` of a saved ``state_dict()`` (e.g. a checkpoint's run_state.json), no data needed.
         Its active leases and queued groups were saved as pending."""
-        ledger = cls(RowCount(int(state["num_rows"])), seed=state["seed"])
+        by = state.get("signals_by", "")
+        ledger = cls(RowCount(int(state["num_rows"])), seed=state["seed"],
+                     history_keys=HistoryKeys(by, [""] * int(state["num_rows"])) if by else None)
         ledger.load_state_dict(state)
         return ledger.audit()

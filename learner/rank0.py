@@ -84,8 +84,10 @@ def _start(cfg: DapoConfig, model_path: Path, run_state: dict, device: torch.dev
     """What start_services starts after the evaluator's fork (it ends the evaluator if this fails)."""
     from transformers import AutoConfig
 
+    from dapo.data import field_values
     from learner.coordinator import Coordinator
     from learner.grpc_server import CoordinatorServer
+    from learner.ledger import HistoryKeys
     from learner.metrics import MetricsLogger
     from learner.progress import StepLines
     from learner.publisher import WeightPublisher
@@ -94,7 +96,9 @@ def _start(cfg: DapoConfig, model_path: Path, run_state: dict, device: torch.dev
     from learner.wandb_run import init_kwargs
 
     t = cfg.transport
-    coordinator = Coordinator.from_config(cfg, _Source(prompts))
+    key = cfg.algorithm.selective_history_key
+    history_keys = HistoryKeys(key, field_values(prompts.rows, key)) if key else None  # rows sharing a history
+    coordinator = Coordinator.from_config(cfg, _Source(prompts), history_keys=history_keys)
     if "coordinator" in run_state:
         coordinator.load_state_dict(run_state["coordinator"])
     if cfg.learner.eval_every_steps and cfg.learner.eval_on == "actors":

@@ -63,6 +63,12 @@ class AlgorithmConfig:
     selective_min_keep_prob: float = 0.05
     """Exploration floor: the least probability that a prompt is leased when the data cursor reaches
     it, whatever its streak, so that none starves (0 < p <= 1)."""
+    selective_history_key: str = ""
+    """Whose history the rule reads. '' (GRESO): each training row's own groups. A dotted field of the
+    training rows (``extra_info.fact``: ``builtin:arith``'s arithmetic fact, the same problem in
+    other words): rows with the same value share one history, so a row never leased before is
+    judged by what its siblings gave, and a run shorter than one epoch can skip. Every row must
+    have the field (a clear error at start otherwise)."""
     prox_logp: str = "recompute"
     """pi_prox: ``recompute`` (decoupled objective, learner forward with current weights) or
     ``bypass`` (use the sampler's log-probs; every ``is_correction`` is then a no-op: pi_prox = mu)."""
@@ -126,6 +132,9 @@ class AlgorithmConfig:
                self.max_consecutive_filtered_groups, ">= 0")
         for key in ("selective_explore_all_correct", "selective_explore_all_wrong", "selective_min_keep_prob"):
             _check(0 < getattr(self, key) <= 1, f"algorithm.{key}", getattr(self, key), "a probability in (0, 1]")
+        _check(self.selective_history_key == "" or all(part.isidentifier() for part in self.selective_history_key.split(".")),
+               "algorithm.selective_history_key", self.selective_history_key,
+               "'' (each row its own history) or a dotted field of the rows, e.g. extra_info.fact")
         _check(self.prox_logp in ("recompute", "bypass"), "algorithm.prox_logp", self.prox_logp,
                "recompute or bypass")
         _check(self.tis_cap is None or self.tis_cap > 0, "algorithm.tis_cap", self.tis_cap, "null or > 0")

@@ -144,11 +144,13 @@ def sample_problems(split: str, n: int, seed: int, kinds: tuple[str, ...] = DEFA
 
 
 def make_rows(split: str, n: int, seed: int) -> list[dict[str, Any]]:
-    """``n`` rows of the task in the verl schema, train and eval splits disjoint."""
+    """``n`` rows of the task in the verl schema, train and eval splits disjoint; ``extra_info.fact``
+    is the problem's fact (rows asking one fact in other words share it: a history key for
+    selective leasing, ``algorithm.selective_history_key=extra_info.fact``)."""
     return [{
         "data_source": DATA_SOURCE,
         "prompt": messages(question),
         "ability": "arithmetic",
         "reward_model": {"ground_truth": str(answer), "style": "rule"},
-        "extra_info": {"index": i, "split": split},
-    } for i, (question, answer, _) in enumerate(sample_problems(split, n, seed))]
+        "extra_info": {"index": i, "split": split, "fact": fact},
+    } for i, (question, answer, fact) in enumerate(sample_problems(split, n, seed))]

@@ -64,8 +64,9 @@ def model_path() -> str:
 def test_three_actor_kills_and_a_learner_kill_lose_nothing(tmp_path, model_path, update_mode):
     from learner.checkpoint import latest_checkpoint
 
-    c = Cluster(tmp_path, model_path, [*OVERRIDES, f"actor.update_mode={update_mode}", *UPDATE_MODES[update_mode]],
-                seed=0)
+    # Selective leasing on shared histories (the first operand's: extra_info.a), kept across the resume.
+    c = Cluster(tmp_path, model_path, [*OVERRIDES, f"actor.update_mode={update_mode}", *UPDATE_MODES[update_mode],
+                                       "algorithm.selective_history_key=extra_info.a"], seed=0)
     try:
         c.start_actor(), c.start_actor()  # first: their start-up overlaps the learner's
         c.start_learner()
@@ -98,6 +99,8 @@ def test_three_actor_kills_and_a_learner_kill_lose_nothing(tmp_path, model_path,
     final_coord = json.loads((latest_checkpoint(c.run_dir) / "run_state.json").read_text())["coordinator"]
     assert (final_coord["epoch"], final_coord["position"]) >= (ckpt_coord["epoch"], ckpt_coord["position"])
     assert set(ckpt_coord["trained"]) <= set(final_coord["trained"])
+    assert ckpt_coord["signals_by"] == final_coord["signals_by"] == "extra_info.a"
+    assert ckpt_coord["signals"] and set(ckpt_coord["signals"]) <= set(final_coord["signals"])
     assert len(c.kills) == 3 and reconnect_s <= RECONNECT_BOUND_S
     print(json.dumps({"kills": [k.__dict__ for k in c.kills], "reconnect_s": round(reconnect_s, 1),
                       "resumed_at": resumed_at, "audit": report}, default=str))

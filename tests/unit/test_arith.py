@@ -78,6 +78,21 @@ def test_splits_share_no_fact_and_skip_the_examples_facts():
     assert arith.sample_problems("train", 64, seed=1) != train[:64]  # and seeded
 
 
+def test_the_fact_field_keys_one_arithmetic_fact_in_every_wording():
+    """``extra_info.fact`` (a history key for selective leasing): rows of one fact have one answer,
+    and the 1,024 training rows ask fewer facts, several wordings each (a word problem among them)."""
+    rows = arith.make_rows("train", 1024, seed=0)
+    facts = data.field_values(rows, "extra_info.fact")
+    answers: dict[str, set[str]] = {}
+    for fact, row in zip(facts, rows):
+        assert re.fullmatch(r"(sum|difference|product) \d+ \d+", fact), fact
+        answers.setdefault(fact, set()).add(row["reward_model"]["ground_truth"])
+    assert all(len(a) == 1 for a in answers.values())
+    assert 150 <= len(answers) <= 400  # ~250 facts: ~4 rows each
+    wordings = [r["prompt"][-1]["content"] for r, f in zip(rows, facts) if f == "sum 2 5"]
+    assert len(wordings) >= 2 and any(" has " in w for w in wordings) and any("5" in w and "2" in w for w in wordings)
+
+
 def test_asking_for_more_problems_than_a_split_holds_says_so():
     with pytest.raises(ValueError, match=r"only \d+ distinct eval arithmetic problems found, 100 asked for"):
         arith.sample_problems("eval", 100, seed=0, kinds=("product",))

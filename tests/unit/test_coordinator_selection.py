@@ -9,12 +9,13 @@ import json
 from typing import Callable
 
 import numpy as np
+import pytest
 
 from dapo.algorithm import DynamicSamplingFilter
 from dapo.selection import SelectionRule, uniform
 from dapo.wire import TrajectoryGroup
 from learner.coordinator import Coordinator
-from learner.ledger import PromptLedger
+from learner.ledger import HistoryKeys, PromptLedger
 from learner.replay import GroupLimits, ReplayBuffer
 
 RULE = SelectionRule(explore_all_correct=0.25, explore_all_wrong=0.5, min_keep=0.05)
@@ -41,10 +42,11 @@ class Clock:
         return self.t
 
 
-def make(n_rows: int, N: int = 1, selection: SelectionRule | None = RULE, clock: Clock | None = None) -> Coordinator:
+def make(n_rows: int, N: int = 1, selection: SelectionRule | None = RULE, clock: Clock | None = None,
+         history_keys: HistoryKeys | None = None) -> Coordinator:
     return Coordinator(Rows(n_rows), num_prompts_per_step=N, max_staleness_steps=1000, queue_max_groups=1000,
                        heartbeat_timeout_s=5.0, lease_timeout_s=1e9, seed=SEED, selection=selection,
-                       clock=clock or Clock())
+                       history_keys=history_keys, clock=clock or Clock())
 
 
 def buffer(coord: Coordinator) -> ReplayBuffer:
@@ -90,7 +92,7 @@ def test_a_skipped_prompt_is_accounted_for_and_its_row_comes_back_next_epoch() -
     actor = coord.register("a")
     by_row = {0: ALL_CORRECT, 1: ALL_CORRECT, 2: ALL_WRONG, 3: MIXED}
     assert sorted(serve(coord, buf, actor, 4, by_row.__getitem__)) == [0, 1, 2, 3]
-    assert coord.ledger.signals.rows == {0: "c", 1: "c", 2: "w", 3: "m"}
+    assert coord.ledger.signals.histories == {0: "c", 1: "c", 2: "w", 3: "m"}
     assert coord.counters()["prompts_retired"] == 3
     p_skip = {0: 0.75, 1: 0.75, 2: 0.5, 3: 0.0}
     expected_skips = {4 + r for r, p in p_skip.items() if uniform(SEED, 4 + r) < p}
@@ -123,7 +125,7 @@ def test_a_reissued_prompt_is_owed_and_never_skipped() -> None:
     grants = coord.lease(actor, 3, 0).leases
     assert sorted(g.prompt_id for g in grants) == [3, 4, 5]
     assert coord.return_leases(actor, [g.lease_id for g in grants]) == 3
-    coord.ledger.signals.rows = {row: "cccccccc" for row in range(3)}  # as if groups of these rows settled meanwhile
+    coord.ledger.signals.histories = {row: "cccccccc" for row in range(3)}  # as if groups of these rows settled meanwhile
     again = coord.lease(actor, 3, 0).leases
     assert sorted(g.prompt_id for g in again) == [3, 4, 5] and coord.ledger.skipped == set()
     books_hold(coord)
@@ -162,7 +164,7 @@ def test_the_books_hold_across_skips_a_dead_actor_and_a_resume_that_keeps_the_hi
     assert PromptLedger.audit_state(saved) == before
     resumed = make(20, N=4)
     resumed.load_state_dict(saved)
-    assert resumed.ledger.signals.rows == coord.ledger.signals.rows and resumed.ledger.skipped == coord.ledger.skipped
+    assert resumed.ledger.signals.histories == coord.ledger.signals.histories and resumed.ledger.skipped == coord.ledger.skipped
     forgetful = make(20, N=4)
     forgetful.load_state_dict({**saved, "signals": {}})
 
@@ -188,7 +190,7 @@ def test_a_format_1_checkpoint_loads_with_nothing_skipped_and_no_history() -> No
     old = {k: v for k, v in state.items() if k not in ("skipped", "signals")} | {"format": 1}
     resumed = make(6)
     resumed.load_state_dict(old)
-    assert resumed.ledger.signals.rows == {} and resumed.ledger.skipped == set()
+    assert resumed.ledger.signals.histories == {} and resumed.ledger.skipped == set()
     assert PromptLedger.audit_state(old)["lost"] == 0
 
 
@@ -232,7 +234,7 @@ def test_off_leases_every_prompt_but_still_keeps_the_history() -> None:
     actor = coord.register("a")
     for _ in range(5):
         assert len(serve(coord, buf, actor, 4, lambda row: ALL_CORRECT)) == 4
-    assert coord.ledger.skipped == set() and coord.ledger.signals.rows == {r: "ccccc" for r in range(4)}
+    assert coord.ledger.skipped == set() and coord.ledger.signals.histories == {r: "ccccc" for r in range(4)}
 
 
 def test_per_step_figures_count_generated_per_trained_and_skips() -> None:
@@ -255,3 +257,57 @@ def test_per_step_figures_count_generated_per_trained_and_skips() -> None:
                       "selection/skipped_prompts/all_wrong": 0.0, "selection/retired_rows": 1.0}
     assert coord.counters()["prompts_returned"] == 1  # row 1: all wrong, then mixed
     assert coord.selection_metrics()["selection/skipped_prompts"] == 0.0  # a window with nothing in it
+
+
+NEAR_SURE = SelectionRule(explore_all_correct=1e-6, explore_all_wrong=1e-6, min_keep=1e-6)
+"""Skips a prompt after one group without signal unless its coin is below 1e-6 (the test checks none is)."""
+FACTS = HistoryKeys("extra_info.fact", ["sum 3 5"] * 4 + ["product 7 8"] * 4)
+"""Rows 0-3 ask one fact, rows 4-7 another (the same problem in other words)."""
+
+
+def epoch_zero(history_keys: HistoryKeys | None) -> tuple[Coordinator, list[int]]:
+    """Epoch 0 served one prompt at a time under NEAR_SURE, rows 0-3 all correct, 4-7 mixed: the
+    coordinator and the prompt ids leased, in order."""
+    coord = make(8, selection=NEAR_SURE, history_keys=history_keys)
+    buf, actor = buffer(coord), coord.register("a")
+    leased: list[int] = []
+    while coord.ledger.cursor.epoch < 1:
+        leased += serve(coord, buf, actor, 1, lambda row: ALL_CORRECT if row < 4 else MIXED)
+    books_hold(coord)
+    return coord, leased
+
+
+def test_rows_sharing_a_history_key_are_skipped_on_their_siblings_groups_before_their_first_lease() -> None:
+    """The first row of fact "sum 3 5" leased is all correct, so its three siblings, never leased,
+    are skipped (p_skip = 1 - 1e-6); fact "product 7 8" stays mixed and all four of its rows are
+    leased. With a history per row (no keys) all eight rows are leased in epoch 0."""
+    assert min(uniform(SEED, p) for p in range(8)) > 1e-6
+    order = [int(r) for r in make(8).ledger.cursor._permutation()]  # epoch 0's row order
+    first_sum_row = next(r for r in order if r < 4)
+    by_fact, leased = epoch_zero(FACTS)
+    assert leased == [r for r in order if r >= 4 or r == first_sum_row]
+    assert by_fact.ledger.skipped == {r for r in range(4) if r != first_sum_row}
+    assert by_fact.ledger.signals.histories == {"sum 3 5": "c", "product 7 8": "mmmm"}
+    assert by_fact.counters()["prompts_skipped/all_correct"] == 3 and by_fact.counters()["prompts_retired"] == 1
+    by_row, leased = epoch_zero(None)
+    assert leased == order and by_row.ledger.skipped == set()
+
+
+def test_keyed_histories_survive_a_checkpoint_and_a_resume_must_keep_the_key() -> None:
+    coord = make(8, history_keys=FACTS)
+    buf = buffer(coord)
+    serve(coord, buf, coord.register("a"), 8, lambda row: ALL_CORRECT if row < 4 else MIXED)
+    saved = json.loads(json.dumps(coord.state_dict()))
+    assert saved["signals_by"] == "extra_info.fact" and set(saved["signals"]) == {"sum 3 5", "product 7 8"}
+    resumed = make(8, history_keys=FACTS)
+    resumed.load_state_dict(saved)
+    assert resumed.ledger.signals.histories == coord.ledger.signals.histories
+    assert PromptLedger.audit_state(saved) == books_hold(coord)
+    for other in (None, HistoryKeys("extra_info.template", FACTS.values)):
+        with pytest.raises(ValueError, match="selective_history_key='extra_info.fact'"):
+            make(8, history_keys=other).load_state_dict(saved)
+    by_row = json.loads(json.dumps(make(8).state_dict()))
+    with pytest.raises(ValueError, match="selective_history_key=''"):
+        make(8, history_keys=FACTS).load_state_dict(by_row)
+    format_2 = {k: v for k, v in by_row.items() if k != "signals_by"} | {"format": 2}
+    make(8).load_state_dict(format_2)  # a format-2 state keeps its histories by row

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dapo import data
 from dapo.algorithm import DynamicSamplingFilter
 from dapo.config import ConfigError, load_config
 from dapo.selection import (HISTORY_GROUPS, SelectionRule, extend, group_signal, no_signal_streak, summary,
@@ -92,3 +93,20 @@ def test_the_summary_line() -> None:
     assert summary(counters) == ("50 groups generated for 40 trained (1.25 per trained group); 7 prompts skipped "
                                  "(all_correct 7, all_wrong 0), 9 retired, 0 returned")
     assert summary({"leases_completed": 3}) == ""
+
+
+def test_a_history_key_is_a_field_every_training_row_has() -> None:
+    rows = [{"extra_info": {"fact": "sum 2 5", "ops": [2, 5]}}, {"extra_info": {"fact": "sum 2 5", "ops": [5, 2]}}]
+    assert data.field_values(rows, "extra_info.fact") == ["sum 2 5", "sum 2 5"]
+    assert data.field_values(rows, "extra_info.ops") == ["[2, 5]", "[5, 2]"]  # not text: its JSON
+    with pytest.raises(ValueError, match="row 1 has no field 'extra_info.fact'"):
+        data.field_values([rows[0], {"extra_info": {}}], "extra_info.fact")
+    with pytest.raises(ConfigError, match="algorithm.selective_history_key"):
+        load_config(["model.path=/m", "algorithm.selective_history_key=extra_info..fact"])
+    # Refused before any process starts (dapo.preflight): the built-in addition rows have no fact.
+    cfg = load_config(["model.path=/m", "algorithm.selective_history_key=extra_info.fact",
+                       "data.builtin_num_train_prompts=8"])
+    with pytest.raises(ValueError, match="selective_history_key=extra_info.fact: row 0 has no field"):
+        data.checked_rows(cfg, "train")
+    data.checked_rows(load_config(["model.path=/m", "algorithm.selective_history_key=extra_info.a",
+                                   "data.builtin_num_train_prompts=8"]), "train")
