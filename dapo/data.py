@@ -236,8 +236,6 @@ def checked_rows(cfg: Any, split: str) -> list[dict[str, Any]]:
     # Rows of a multi-turn environment are scored by it (dapo.envs): no single-turn verifier needed.
     rewards.check_data_sources({s: n for s, n in sources.items() if not envs.env_spec(s, cfg.actor.env)},
                                f"data.{split}_path={path}", cfg.actor.reward_fn)
-    if split == "train" and cfg.algorithm.selective_history_key:
-        field_values(rows, cfg.algorithm.selective_history_key)  # every row must have it: refused here
     multi_turn = sorted(s for s in sources if envs.env_spec(s, cfg.actor.env))
     if split == "eval" and multi_turn and cfg.learner.eval_every_steps and cfg.learner.eval_on != "actors":
         raise ValueError(f"data.eval_path={path}: data_source {', '.join(map(repr, multi_turn))} is multi-turn "
@@ -246,20 +244,28 @@ def checked_rows(cfg: Any, split: str) -> list[dict[str, Any]]:
     return rows
 
 
-def field_values(rows: list[dict[str, Any]], path: str) -> list[str]:
-    """Each row's value of the dotted field ``path`` (``extra_info.fact``), as text: the history key
-    of selective leasing (``algorithm.selective_history_key``). A row without it is an error."""
-    out = []
-    for i, row in enumerate(rows):
+def field_values(rows: list[dict[str, Any]], path: str) -> list[str | None]:
+    """Each row's value of the dotted field ``path`` (``extra_info.fact``) as text (JSON if it is not
+    text), None where the row has no such field: the history keys of selective leasing
+    (``algorithm.selective_history_key``)."""
+    out: list[str | None] = []
+    for row in rows:
         value: Any = row
         for part in path.split("."):
-            if not isinstance(value, dict) or part not in value:
-                raise ValueError(f"algorithm.selective_history_key={path}: row {i} has no field {path!r} "
-                                 f"(its keys: {sorted(row)}); add it to every row, or set "
-                                 "algorithm.selective_history_key='' (each row its own history)")
-            value = value[part]
-        out.append(value if isinstance(value, str) else json.dumps(value, sort_keys=True))
+            value = value.get(part) if isinstance(value, dict) else None
+        out.append(value if isinstance(value, str) or value is None else json.dumps(value, sort_keys=True))
     return out
+
+
+def describe_keys(values: list[str | None], path: str) -> str:
+    """One line on how rows share histories by ``path`` (for the learner's start-up log)."""
+    missing = sum(v is None for v in values)
+    shared = len(set(v for v in values if v is not None))
+    line = f"selective leasing: histories by {path}: {len(values) - missing} rows share {shared}"
+    if missing:
+        line += (f"; {missing} rows have no {path} and keep their own (check the field's name if that "
+                 "is all of them)")
+    return line
 
 
 def inspect_main(file: str, rows: int, overrides: list[str]) -> None:

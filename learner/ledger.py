@@ -42,8 +42,10 @@ from dapo.selection import SelectionRule, extend, no_signal_streak, uniform
 from learner.leases import Lease, LeaseGrant
 
 STATE_FORMAT = 3
-"""2 added ``skipped`` and ``signals``, 3 ``signals_by`` (the history key: '' = by row); a format-1
-state (none of them) and a format-2 one (by row) still load."""
+"""2 added ``skipped`` and ``signals`` (a dict row -> history), 3 ``signals_by`` (the history key
+field, '' = by row) and ``signals`` as [key, history] pairs (a key is a row number or a field value:
+JSON keeps the two apart in a list, not as dict keys); format-1 (no history) and format-2 states
+still load."""
 SETTLED = ("filtered", "stale", "trained")
 """What becomes of a queued group (``PromptLedger.settle``)."""
 
@@ -101,11 +103,12 @@ class PromptCursor:
 
 @dataclass(frozen=True)
 class HistoryKeys:
-    """Rows that share a signal history: ``values[row]`` is the row's key, the value of the rows'
-    field ``field`` (``algorithm.selective_history_key``, ``dapo.data.field_values``)."""
+    """Rows that share a signal history: ``values[row]`` is the row's key, its value of the rows'
+    field ``field`` (``algorithm.selective_history_key``, ``dapo.data.field_values``); a row
+    without the field (None) keeps a history of its own."""
 
     field: str
-    values: Sequence[str]
+    values: Sequence[str | None]
 
 
 class SignalHistory:
@@ -196,7 +199,8 @@ class PromptLedger:
     def history_key(self, prompt_id: int) -> int | str:
         """Whose history a prompt reads and extends: its row, or its row's HistoryKeys value."""
         row = prompt_id % self.num_rows
-        return row if self.history_keys is None else self.history_keys.values[row]
+        key = None if self.history_keys is None else self.history_keys.values[row]
+        return row if key is None else key
 
     def grant(self, lease: Lease) -> LeaseGrant:
         token_ids, data_source, ground_truth = self.source.get(lease.prompt_id % self.num_rows)
@@ -268,7 +272,8 @@ class PromptLedger:
                 "pending": sorted(self.queued) + active + list(self.pending),
                 "trained": sorted(self.trained), "filtered": sorted(self.filtered), "skipped": sorted(self.skipped),
                 "signals_by": self.history_keys.field if self.history_keys else "",
-                "signals": {str(key): h for key, h in sorted(self.signals.histories.items(), key=lambda kv: str(kv[0]))}}
+                "signals": sorted(([key, h] for key, h in self.signals.histories.items()),
+                                  key=lambda kh: (isinstance(kh[0], str), kh[0]))}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state["format"] not in (1, 2, STATE_FORMAT):
@@ -291,8 +296,10 @@ class PromptLedger:
         self.filtered = {int(p) for p in state["filtered"]}
         if state["format"] >= 2:  # format 1 predates selective leasing: nothing skipped, no history
             self.skipped = {int(p) for p in state["skipped"]}
-            by_row = not signals_by  # JSON keys are strings: a row's key is its number
-            self.signals.histories = {int(key) if by_row else key: str(h) for key, h in state["signals"].items()}
+            if state["format"] == 2:  # a dict by row: JSON made the row numbers strings
+                self.signals.histories = {int(row): str(h) for row, h in state["signals"].items()}
+            else:
+                self.signals.histories = {key: str(h) for key, h in state["signals"]}
 
     @classmethod
     def audit_state(cls, state: dict[str, Any]) -> dict[str, int]:

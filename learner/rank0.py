@@ -84,7 +84,7 @@ def _start(cfg: DapoConfig, model_path: Path, run_state: dict, device: torch.dev
     """What start_services starts after the evaluator's fork (it ends the evaluator if this fails)."""
     from transformers import AutoConfig
 
-    from dapo.data import field_values
+    from dapo.data import describe_keys, field_values
     from learner.coordinator import Coordinator
     from learner.grpc_server import CoordinatorServer
     from learner.ledger import HistoryKeys
@@ -96,8 +96,10 @@ def _start(cfg: DapoConfig, model_path: Path, run_state: dict, device: torch.dev
     from learner.wandb_run import init_kwargs
 
     t = cfg.transport
-    key = cfg.algorithm.selective_history_key
-    history_keys = HistoryKeys(key, field_values(prompts.rows, key)) if key else None  # rows sharing a history
+    key, history_keys = cfg.algorithm.selective_history_key, None
+    if key:  # rows that share a history (dapo/selection.py)
+        history_keys = HistoryKeys(key, field_values(prompts.rows, key))
+        print(f"learner: {describe_keys(list(history_keys.values), key)}", flush=True)
     coordinator = Coordinator.from_config(cfg, _Source(prompts), history_keys=history_keys)
     if "coordinator" in run_state:
         coordinator.load_state_dict(run_state["coordinator"])

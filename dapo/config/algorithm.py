@@ -67,8 +67,8 @@ class AlgorithmConfig:
     """Whose history the rule reads. '' (GRESO): each training row's own groups. A dotted field of the
     training rows (``extra_info.fact``: ``builtin:arith``'s arithmetic fact, the same problem in
     other words): rows with the same value share one history, so a row never leased before is
-    judged by what its siblings gave, and a run shorter than one epoch can skip. Every row must
-    have the field (a clear error at start otherwise)."""
+    judged by what its siblings gave, and a run shorter than one epoch can skip. A row without the
+    field keeps a history of its own (the learner's start-up line counts them)."""
     prox_logp: str = "recompute"
     """pi_prox: ``recompute`` (decoupled objective, learner forward with current weights) or
     ``bypass`` (use the sampler's log-probs; every ``is_correction`` is then a no-op: pi_prox = mu)."""

@@ -166,7 +166,7 @@ def test_the_books_hold_across_skips_a_dead_actor_and_a_resume_that_keeps_the_hi
     resumed.load_state_dict(saved)
     assert resumed.ledger.signals.histories == coord.ledger.signals.histories and resumed.ledger.skipped == coord.ledger.skipped
     forgetful = make(20, N=4)
-    forgetful.load_state_dict({**saved, "signals": {}})
+    forgetful.load_state_dict({**saved, "signals": []})
 
     # The same script from here on: the resumed run decides as the uninterrupted one (seeded coin,
     # kept history); one that lost its history leases rows the others skip.
@@ -263,6 +263,8 @@ NEAR_SURE = SelectionRule(explore_all_correct=1e-6, explore_all_wrong=1e-6, min_
 """Skips a prompt after one group without signal unless its coin is below 1e-6 (the test checks none is)."""
 FACTS = HistoryKeys("extra_info.fact", ["sum 3 5"] * 4 + ["product 7 8"] * 4)
 """Rows 0-3 ask one fact, rows 4-7 another (the same problem in other words)."""
+SOME_FACTS = HistoryKeys("extra_info.fact", ["sum 3 5"] * 3 + [None] + ["product 7 8"] * 4)
+"""As FACTS, but row 3 has no fact: it keeps a history of its own."""
 
 
 def epoch_zero(history_keys: HistoryKeys | None) -> tuple[Coordinator, list[int]]:
@@ -291,23 +293,32 @@ def test_rows_sharing_a_history_key_are_skipped_on_their_siblings_groups_before_
     assert by_fact.counters()["prompts_skipped/all_correct"] == 3 and by_fact.counters()["prompts_retired"] == 1
     by_row, leased = epoch_zero(None)
     assert leased == order and by_row.ledger.skipped == set()
+    some, leased = epoch_zero(SOME_FACTS)  # row 3 is leased on its own (empty) history
+    first_sum_row = next(r for r in order if r < 3)
+    assert leased == [r for r in order if r >= 3 or r == first_sum_row]
+    assert some.ledger.signals.histories == {"sum 3 5": "c", 3: "c", "product 7 8": "mmmm"}
 
 
 def test_keyed_histories_survive_a_checkpoint_and_a_resume_must_keep_the_key() -> None:
-    coord = make(8, history_keys=FACTS)
+    """Row 3's own history (key 3) and a fact's (text) stay apart through JSON."""
+    coord = make(8, selection=None, history_keys=SOME_FACTS)
     buf = buffer(coord)
     serve(coord, buf, coord.register("a"), 8, lambda row: ALL_CORRECT if row < 4 else MIXED)
     saved = json.loads(json.dumps(coord.state_dict()))
-    assert saved["signals_by"] == "extra_info.fact" and set(saved["signals"]) == {"sum 3 5", "product 7 8"}
-    resumed = make(8, history_keys=FACTS)
+    assert saved["signals_by"] == "extra_info.fact"
+    assert saved["signals"] == [[3, "c"], ["product 7 8", "mmmm"], ["sum 3 5", "ccc"]]
+    resumed = make(8, history_keys=SOME_FACTS)
     resumed.load_state_dict(saved)
     assert resumed.ledger.signals.histories == coord.ledger.signals.histories
     assert PromptLedger.audit_state(saved) == books_hold(coord)
-    for other in (None, HistoryKeys("extra_info.template", FACTS.values)):
+    for other in (None, HistoryKeys("extra_info.template", SOME_FACTS.values)):
         with pytest.raises(ValueError, match="selective_history_key='extra_info.fact'"):
             make(8, history_keys=other).load_state_dict(saved)
     by_row = json.loads(json.dumps(make(8).state_dict()))
     with pytest.raises(ValueError, match="selective_history_key=''"):
         make(8, history_keys=FACTS).load_state_dict(by_row)
-    format_2 = {k: v for k, v in by_row.items() if k != "signals_by"} | {"format": 2}
-    make(8).load_state_dict(format_2)  # a format-2 state keeps its histories by row
+    # A format-2 state (written before history keys) holds a dict by row, the rows as JSON strings.
+    format_2 = {k: v for k, v in by_row.items() if k != "signals_by"} | {"format": 2, "signals": {"3": "cc", "5": "m"}}
+    old = make(8)
+    old.load_state_dict(format_2)
+    assert old.ledger.signals.histories == {3: "cc", 5: "m"}

@@ -95,18 +95,14 @@ def test_the_summary_line() -> None:
     assert summary({"leases_completed": 3}) == ""
 
 
-def test_a_history_key_is_a_field_every_training_row_has() -> None:
-    rows = [{"extra_info": {"fact": "sum 2 5", "ops": [2, 5]}}, {"extra_info": {"fact": "sum 2 5", "ops": [5, 2]}}]
-    assert data.field_values(rows, "extra_info.fact") == ["sum 2 5", "sum 2 5"]
-    assert data.field_values(rows, "extra_info.ops") == ["[2, 5]", "[5, 2]"]  # not text: its JSON
-    with pytest.raises(ValueError, match="row 1 has no field 'extra_info.fact'"):
-        data.field_values([rows[0], {"extra_info": {}}], "extra_info.fact")
+def test_a_history_key_is_a_field_of_the_rows_and_a_row_without_it_keeps_its_own() -> None:
+    rows = [{"extra_info": {"fact": "sum 2 5", "ops": [2, 5]}}, {"extra_info": {"fact": "sum 2 5", "ops": [5, 2]}},
+            {"extra_info": {}}, {"prompt": "no extra_info"}]
+    assert data.field_values(rows, "extra_info.fact") == ["sum 2 5", "sum 2 5", None, None]
+    assert data.field_values(rows, "extra_info.ops") == ["[2, 5]", "[5, 2]", None, None]  # not text: its JSON
+    assert data.describe_keys(data.field_values(rows, "extra_info.fact"), "extra_info.fact") == (
+        "selective leasing: histories by extra_info.fact: 2 rows share 1; 2 rows have no extra_info.fact and keep "
+        "their own (check the field's name if that is all of them)")
+    assert data.describe_keys(["a", "b", "a"], "k") == "selective leasing: histories by k: 3 rows share 2"
     with pytest.raises(ConfigError, match="algorithm.selective_history_key"):
         load_config(["model.path=/m", "algorithm.selective_history_key=extra_info..fact"])
-    # Refused before any process starts (dapo.preflight): the built-in addition rows have no fact.
-    cfg = load_config(["model.path=/m", "algorithm.selective_history_key=extra_info.fact",
-                       "data.builtin_num_train_prompts=8"])
-    with pytest.raises(ValueError, match="selective_history_key=extra_info.fact: row 0 has no field"):
-        data.checked_rows(cfg, "train")
-    data.checked_rows(load_config(["model.path=/m", "algorithm.selective_history_key=extra_info.a",
-                                   "data.builtin_num_train_prompts=8"]), "train")
