@@ -88,7 +88,7 @@ def test_the_fact_field_keys_one_arithmetic_fact_in_every_wording():
         assert re.fullmatch(r"(sum|difference|product) \d+ \d+", fact), fact
         answers.setdefault(fact, set()).add(row["reward_model"]["ground_truth"])
     assert all(len(a) == 1 for a in answers.values())
-    assert 150 <= len(answers) <= 400  # ~250 facts: ~4 rows each
+    assert 150 <= len(answers) <= 400  # 214 facts: ~5 rows each
     wordings = [r["prompt"][-1]["content"] for r, f in zip(rows, facts) if f == "sum 2 5"]
     assert len(wordings) >= 2 and any(" has " in w for w in wordings) and any("5" in w and "2" in w for w in wordings)
 
@@ -113,6 +113,8 @@ def test_smollm2_arith_preset(monkeypatch):
     # Held-out problems go to the actors' engine, and the last version is among those evaluated (the
     # run's final line reports it).
     assert cfg.learner.eval_on == "actors" and cfg.learner.total_steps % cfg.learner.eval_every_steps == 0
+    # Selective leasing reads each arithmetic fact's history (bench/results/selective_leasing.md).
+    assert (cfg.algorithm.selective_leasing, cfg.algorithm.selective_history_key) == (True, "extra_info.fact")
     held_out = data.rows_for(cfg.data.eval_path, "eval", cfg)
     assert len(held_out) == cfg.data.builtin_num_eval_prompts >= 128
     assert held_out == arith.make_rows("eval", 128, data.BUILTIN_EVAL_SEED)  # the same set in every run
