@@ -53,8 +53,9 @@ class AlgorithmConfig:
     """Skip, before generating it, a prompt whose latest z groups all carried no signal (every sample
     right, or every sample wrong): it is leased with probability max(p_e ** z, selective_min_keep_prob)
     (GRESO, arXiv 2506.02177; dapo/selection.py). A skipped prompt is not trained, and its row comes
-    back in the next epoch of the data, where the rule decides again. Acts only on rows seen before:
-    a run shorter than one epoch of its data skips nothing. False leases every prompt (the DAPO paper)."""
+    back in the next epoch of the data, where the rule decides again. Acts only on histories with groups
+    in them: a run shorter than one epoch of its data skips nothing unless rows share histories
+    (``selective_history_key``). False leases every prompt (the DAPO paper)."""
     selective_explore_all_correct: float = 0.25
     """p_e of a prompt whose latest group was all correct (probability, 0 < p <= 1)."""
     selective_explore_all_wrong: float = 0.5

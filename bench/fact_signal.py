@@ -1,0 +1,68 @@
+"""How well a fact's previous group predicts the next one's signal, on `builtin:arith` (why
+`experiment=smollm2_arith` keeps selective leasing's histories by fact: bench/results/selective_leasing.md).
+
+    .venv/bin/python bench/fact_signal.py RUN_DIR [RUN_DIR ...]    # runs of experiment=smollm2_arith
+
+For each run (best without selective leasing: every row met is generated) it rebuilds the order in
+which groups were generated, approximately: the cursor's seeded row order of each epoch
+(learner/ledger.py PromptCursor), each row's signals from the last checkpoint's ledger (``c`` all
+correct, ``w`` all wrong, ``m`` mixed; a row's groups in epoch order). Then it counts, for each group,
+the signal of the previous group of the same arithmetic fact (``extra_info.fact``, another row or the
+same one; ``-``: none yet) against its own: the share of mixed groups after each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+
+import harness  # noqa: F401  (puts the repo on sys.path)
+
+from dapo.data import field_values
+from dapo.tasks import arith
+from learner.checkpoint import latest_checkpoint
+from learner.ledger import PromptCursor
+
+
+def transitions(run_dir: Path) -> Counter:
+    """(previous signal of the fact, this group's signal) -> groups."""
+    ledger = json.loads((latest_checkpoint(run_dir) / "run_state.json").read_text())["coordinator"]
+    cfg = json.loads((run_dir / "config.resolved.json").read_text())
+    n = ledger["num_rows"]
+    facts = field_values(arith.make_rows("train", n, cfg["run"]["seed"]), "extra_info.fact")
+    histories = dict(ledger["signals"]) if ledger["format"] >= 3 else {int(r): h for r, h in ledger["signals"].items()}
+    generated = set(ledger["trained"]) | set(ledger["filtered"])
+    cursor = PromptCursor(n, seed=ledger["seed"], max_epochs=ledger["epoch"] + 1)
+    order = [p for p in iter(cursor.next, None) if p in generated]
+    # A row keeps its last 8 groups: the first of them is its (count - 8)-th generation.
+    seen_of_row = Counter(p % n for p in order)
+    met, last_of_fact, out = Counter(), {}, Counter()
+    for prompt_id in order:
+        row = prompt_id % n
+        index = met[row] - (seen_of_row[row] - len(histories.get(row, "")))
+        met[row] += 1
+        if index < 0:
+            continue  # older than the history kept
+        signal = histories[row][index]
+        out[(last_of_fact.get(facts[row], "-"), signal)] += 1
+        last_of_fact[facts[row]] = signal
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", type=Path)
+    args = parser.parse_args()
+    total = sum((transitions(run) for run in args.runs), Counter())
+    print("| the fact's previous group | groups | mixed | mixed share |\n|---|---|---|---|")
+    for before, name in (("c", "all correct"), ("m", "mixed"), ("w", "all wrong"), ("-", "none yet")):
+        groups = sum(v for (b, _), v in total.items() if b == before)
+        mixed = total[(before, "m")]
+        print(f"| {name} | {groups} | {mixed} | {mixed / groups:.3f} |" if groups else f"| {name} | 0 | 0 | — |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
