@@ -133,7 +133,8 @@ class AlgorithmConfig:
                self.max_consecutive_filtered_groups, ">= 0")
         for key in ("selective_explore_all_correct", "selective_explore_all_wrong", "selective_min_keep_prob"):
             _check(0 < getattr(self, key) <= 1, f"algorithm.{key}", getattr(self, key), "a probability in (0, 1]")
-        _check(self.selective_history_key == "" or all(part.isidentifier() for part in self.selective_history_key.split(".")),
+        key_parts = self.selective_history_key.split(".")
+        _check(self.selective_history_key == "" or all(part.isidentifier() for part in key_parts),
                "algorithm.selective_history_key", self.selective_history_key,
                "'' (each row its own history) or a dotted field of the rows, e.g. extra_info.fact")
         _check(self.prox_logp in ("recompute", "bypass"), "algorithm.prox_logp", self.prox_logp,
