@@ -114,6 +114,9 @@ def test_a_partitioned_actor_heals_and_the_run_loses_and_repeats_nothing(tmp_pat
         address = hosts["learner"].address
         assert f"learner: coordinator {c.address}, replay tcp://{address}:" in c.learner_log.read_text()
         c.wait_step(2, 120)
+        # Steps need one actor: actor0 may still be retrying its first Register (CI saw one take 34 s
+        # under load); a partition before it registers leaves nothing for the learner to expire.
+        wait_for("actor0 to register", lambda: registrations(actor0_log), 90, c.alive)
         network.partition(hosts["actor0"])
         cut_at = c.step()
         wait_for("the learner to declare the cut-off actor dead", lambda: counter(c, "actors_expired") >= 1, 60,
