@@ -60,11 +60,7 @@ HALF = 15
 def run_one(workload: str, arm: str, seed: int, work: Path) -> dict:
     out = work / workload / f"{arm}-seed{seed}.json"
     if out.exists():
-        done = json.loads(out.read_text())
-        if "learner_train_s" not in done:  # written before this figure existed: from the run's records
-            recs = [json.loads(ln) for ln in (work / workload / f"{arm}-seed{seed}" / "metrics.jsonl").open() if ln.strip()]
-            done["learner_train_s"] = learner_train_s({int(r["step"]): r for r in recs if "time/step_s" in r})
-        return done
+        return json.loads(out.read_text())
     run_dir = work / workload / f"{arm}-seed{seed}"
     argv = harness.dapo_run_argv([*WORKLOADS[workload], *ARMS[arm], f"run.seed={seed}", f"learner.seed={seed}",
                                   f"actor.seed={seed}", "run.overwrite=true", f"run.cache_dir={harness.CACHE_DIR}"],
@@ -139,16 +135,12 @@ def figures(recs: list[dict], t0: float) -> dict:
         / max(counter(last, "leases_completed") - counter(half, "leases_completed"), 1),
         "step_s_second_half": statistics.mean(steps[s]["time/step_s"] for s in range(half + 1, last + 1)),
         "learner_idle_second_half": statistics.mean(steps[s]["learner/idle_fraction"] for s in range(half + 1, last + 1)),
-        "learner_train_s": learner_train_s(steps),
+        # The learner's own seconds (its steps' time/train_s): what no choice of prompts takes away,
+        # the floor of the wall time when generation keeps up.
+        "learner_train_s": sum(steps[s]["time/train_s"] for s in range(1, last + 1)),
         "skipped": skips, "retired": counter(last, "prompts_retired"), "returned": counter(last, "prompts_returned"),
         "generated": counter(last, "leases_completed"), "trained": counter(last, "groups_trained"),
     }
-
-
-def learner_train_s(steps: dict[int, dict]) -> float:
-    """The learner's own seconds over the run (its steps' ``time/train_s``): what no choice of
-    prompts takes away, the floor of the wall time when generation keeps up."""
-    return sum(r["time/train_s"] for step, r in steps.items() if step >= 1)
 
 
 def fmt(x, spec: str = ".2f") -> str:

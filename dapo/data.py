@@ -37,7 +37,7 @@ import logging
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 from dapo import envs, formats, rewards
 from dapo.tasks import arith
@@ -257,7 +257,7 @@ def field_values(rows: list[dict[str, Any]], path: str) -> list[str | None]:
     return out
 
 
-def describe_keys(values: list[str | None], path: str) -> str:
+def describe_keys(values: Sequence[str | None], path: str) -> str:
     """One line on how rows share histories by ``path`` (for the learner's start-up log)."""
     missing = sum(v is None for v in values)
     shared = len(set(v for v in values if v is not None))

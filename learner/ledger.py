@@ -307,6 +307,6 @@ class PromptLedger:
         Its active leases and queued groups were saved as pending."""
         by = state.get("signals_by", "")
         ledger = cls(RowCount(int(state["num_rows"])), seed=state["seed"],
-                     history_keys=HistoryKeys(by, [""] * int(state["num_rows"])) if by else None)
+                     history_keys=HistoryKeys(by, [None] * int(state["num_rows"])) if by else None)
         ledger.load_state_dict(state)
         return ledger.audit()

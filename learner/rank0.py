@@ -99,7 +99,7 @@ def _start(cfg: DapoConfig, model_path: Path, run_state: dict, device: torch.dev
     key, history_keys = cfg.algorithm.selective_history_key, None
     if key:  # rows that share a history (dapo/selection.py)
         history_keys = HistoryKeys(key, field_values(prompts.rows, key))
-        print(f"learner: {describe_keys(list(history_keys.values), key)}", flush=True)
+        print(f"learner: {describe_keys(history_keys.values, key)}", flush=True)
     coordinator = Coordinator.from_config(cfg, _Source(prompts), history_keys=history_keys)
     if "coordinator" in run_state:
         coordinator.load_state_dict(run_state["coordinator"])
