@@ -23,21 +23,14 @@ dapo's variant (what differs from the paper, and why):
 2. A floor on the keep probability: ``p_skip = 1 - max(p_e ** z, min_keep)``. GRESO bounds ``p_e``
    (>= 0.05), not ``p_e ** z``, so a long streak is skipped almost surely; the floor bounds every
    prompt's chance of being leased each time the data cursor reaches it (no prompt starves: it is
-   skipped ``k`` epochs in a row with probability at most ``(1 - min_keep) ** k``; a row that ``n``
-   rows' shared history decides, 5., at most ``(1 - min_keep) ** (k / n)``).
+   skipped ``k`` epochs in a row with probability at most ``(1 - min_keep) ** k``).
 3. Which ``p_e``: the latest group's kind (a streak may mix all-correct and all-wrong groups).
 4. The history is the last ``HISTORY_GROUPS`` groups of the prompt (or key, 5.), so ``z <= HISTORY_GROUPS``.
 5. Whose history (``algorithm.selective_history_key``): GRESO keeps one per prompt, which needs a
    prompt to come back (several epochs) before it can be skipped. A key field of the rows lets rows
    that ask the same thing (``builtin:arith``'s ``extra_info.fact``: "What is 4 + 3?", "Add 3 and 4."
    and a word problem adding them) share one history, so a row is judged by its siblings' groups
-   before its own first lease. '' (the default) is GRESO's per-prompt history. A shared history is
-   one prompt in GRESO's sense, so its rows share its chance: with ``n`` rows on one history, each is
-   kept with probability ``1 - (1 - p_keep) ** (1 / n)``, so the history is tried in a pass of the
-   data cursor (at least one of its rows leased) with probability ``p_keep``, as a prompt of its own
-   would be, and not about ``n`` times as often (measured on ``builtin:arith``, where a solved fact's
-   next group is mixed 5-17 % of the time against 31-41 % after a mixed one:
-   bench/results/selective_leasing.md). ``n = 1`` is the rule above, unchanged.
+   before its own first lease. '' (the default) is GRESO's per-prompt history.
 6. The coin is ``uniform(seed, prompt_id)``: a hash of the run seed and the prompt id (unique per
    epoch, learner/ledger.py), so a decision does not depend on the order of calls and a run is
    reproducible given its seed and its histories.
@@ -115,19 +108,16 @@ class SelectionRule:
         return cls(algorithm.selective_explore_all_correct, algorithm.selective_explore_all_wrong,
                    algorithm.selective_min_keep_prob)
 
-    def skip_probability(self, history: str, sharing: int = 1) -> float:
-        """p_skip of a row whose history ``sharing`` rows share (5. in the module docstring)."""
-        if sharing < 1:
-            raise ValueError(f"skip_probability: sharing = {sharing}, expected >= 1 rows")
+    def skip_probability(self, history: str) -> float:
         z = no_signal_streak(history)
         if z == 0:
             return 0.0
         p_e = self.explore_all_correct if history[-1] == ALL_CORRECT else self.explore_all_wrong
-        return (1.0 - max(p_e ** z, self.min_keep)) ** (1.0 / sharing)
+        return 1.0 - max(p_e ** z, self.min_keep)
 
-    def skip_reason(self, history: str, u: float, sharing: int = 1) -> str:
+    def skip_reason(self, history: str, u: float) -> str:
         """'' to lease the prompt, else why it is skipped (SKIP_REASONS): skipped iff u < p_skip."""
-        return SKIP_REASONS[history[-1]] if u < self.skip_probability(history, sharing) else ""
+        return SKIP_REASONS[history[-1]] if u < self.skip_probability(history) else ""
 
 
 def summary(counters: Mapping[str, float]) -> str:

@@ -26,14 +26,13 @@ groups that settled as trained or filtered (a stale group is generated again, a 
 checkpoint too: neither is recorded), kept whether or not selective leasing is on, and saved in
 the checkpoint with the rest of the ledger. With history keys (``HistoryKeys``:
 ``algorithm.selective_history_key``) rows of one key share one history: each of their groups is
-recorded under the key, and the rule reads the key's history for each of them, its chance split among
-them (dapo/selection.py, 5.).
+recorded under the key, and the rule reads the key's history for each of them.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
@@ -153,10 +152,6 @@ class PromptLedger:
             raise ValueError(f"PromptLedger: {len(history_keys.values)} history keys for {len(source)} rows")
         self.source, self.num_rows, self.seed = source, len(source), seed
         self.selection, self.on_skip, self.history_keys = selection, on_skip, history_keys
-        self.history_rows: dict[int | str, int] = {} if history_keys is None else dict(
-            Counter(v for v in history_keys.values if v is not None))
-        """Rows per shared history (a key absent: one row, its own); the rule splits a history's chance
-        among them (dapo/selection.py, 5.)."""
         self.signals = SignalHistory()
         self.cursor = PromptCursor(self.num_rows, seed=seed, max_epochs=max_epochs)
         self.next_lease_id = 1
@@ -193,9 +188,8 @@ class PromptLedger:
     def _next_fresh(self) -> int | None:
         """The cursor's next prompt that the selection rule does not skip (module docstring)."""
         while (prompt_id := self.cursor.next()) is not None:
-            key = self.history_key(prompt_id)
-            reason = self.selection.skip_reason(self.signals[key], uniform(self.seed, prompt_id),
-                                                self.history_rows.get(key, 1)) if self.selection else ""
+            history = self.signals[self.history_key(prompt_id)]
+            reason = self.selection.skip_reason(history, uniform(self.seed, prompt_id)) if self.selection else ""
             if not reason:
                 return prompt_id
             self.skipped.add(prompt_id)

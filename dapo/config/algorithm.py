@@ -68,11 +68,8 @@ class AlgorithmConfig:
     """Whose history the rule reads. '' (GRESO): each training row's own groups. A dotted field of the
     training rows (``extra_info.fact``: ``builtin:arith``'s arithmetic fact, the same problem in
     other words): rows with the same value share one history, so a row never leased before is
-    judged by what its siblings gave, and a run shorter than one epoch can skip. The n rows of a
-    history share its chance: each is leased with probability 1 - (1 - p) ** (1 / n), p the rule's
-    keep probability above, so the history is tried once per pass of the data with probability p, as
-    a row of its own is (dapo/selection.py). A row without the field keeps a history of its own (the
-    learner's start-up line counts them)."""
+    judged by what its siblings gave, and a run shorter than one epoch can skip. A row without the
+    field keeps a history of its own (the learner's start-up line counts them)."""
     prox_logp: str = "recompute"
     """pi_prox: ``recompute`` (decoupled objective, learner forward with current weights) or
     ``bypass`` (use the sampler's log-probs; every ``is_correction`` is then a no-op: pi_prox = mu)."""

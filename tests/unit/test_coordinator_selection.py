@@ -299,23 +299,6 @@ def test_rows_sharing_a_history_key_are_skipped_on_their_siblings_groups_before_
     assert some.ledger.signals.histories == {"sum 3 5": "c", 3: "c", "product 7 8": "mmmm"}
 
 
-def test_the_rows_of_a_shared_history_split_its_chance_and_a_row_of_its_own_keeps_the_whole() -> None:
-    """Rows 0-19 share fact "a", rows 20-39 have none; every history is "c" (p_keep 0.25). A row of
-    "a" is leased iff its coin is >= 0.75 ** (1 / 20) = 0.9857189 (the fact is tried in a pass with
-    probability 0.25), a row of its own iff its coin is >= 0.75."""
-    keys = HistoryKeys("extra_info.fact", ["a"] * 20 + [None] * 20)
-    coord = make(40, history_keys=keys)
-    coord.ledger.signals.histories = {"a": "c"} | {row: "c" for row in range(20, 40)}
-    leased = []
-    while coord.ledger.cursor.epoch < 1:
-        leased += [g.prompt_id for g in coord.lease(coord.register(f"a{len(leased)}"), 1, 0).leases]
-    expected = {p for p in range(40) if uniform(SEED, p) >= (0.9857189 if p < 20 else 0.75)}
-    assert set(leased) == expected and coord.ledger.skipped == set(range(40)) - expected
-    # The case tells the split from a full chance per row: some row of "a" has a coin in [0.75, 0.9857189).
-    assert any(0.75 <= uniform(SEED, p) < 0.9857189 for p in range(20))
-    assert coord.ledger.history_rows == {"a": 20}
-
-
 def test_keyed_histories_survive_a_checkpoint_and_a_resume_must_keep_the_key() -> None:
     """Row 3's own history (key 3) and a fact's (text) stay apart through JSON."""
     coord = make(8, selection=None, history_keys=SOME_FACTS)

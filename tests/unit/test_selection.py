@@ -33,20 +33,6 @@ def test_the_skip_probability_grows_with_the_streak_down_to_the_floor(history: s
     assert RULE.skip_probability(history) == pytest.approx(p_skip, abs=1e-12)
 
 
-# n rows on one history: each is skipped with p_skip ** (1 / n), so all n are skipped with p_skip.
-@pytest.mark.parametrize("history, sharing, p_skip", [
-    ("c", 1, 0.75), ("c", 4, 0.930604859), ("c", 5, 0.944087511),  # 0.75 ** 0.25, 0.75 ** 0.2
-    ("ccc", 5, 0.989793782),  # 0.95 ** 0.2: the floor is the history's, not each row's
-    ("ww", 2, 0.866025404),  # 0.75 ** 0.5
-    ("m", 5, 0.0), ("", 5, 0.0),  # a history with signal (or none) leases every one of its rows
-])
-def test_rows_sharing_a_history_share_its_chance(history: str, sharing: int, p_skip: float) -> None:
-    assert RULE.skip_probability(history, sharing) == pytest.approx(p_skip, abs=1e-9)
-    assert RULE.skip_probability(history, sharing) ** sharing == pytest.approx(RULE.skip_probability(history))
-    with pytest.raises(ValueError, match="sharing = 0"):
-        RULE.skip_probability(history, 0)
-
-
 def test_a_prompt_whose_outcome_changes_comes_back() -> None:
     history = ""
     for _ in range(20):
