@@ -355,7 +355,8 @@ class Actor:
         session = self._session()
         for lease, group in zip(leases, samples):
             self.generations.record(run_id=session.run_id, actor_id=session.actor_id, lease_id=lease.lease_id,
-                                    prompt_id=lease.prompt_id, token_versions=[s.versions for s in group])
+                                    prompt_id=lease.prompt_id, token_versions=[s.versions for s in group],
+                                    num_correct=sum(bool(s.acc) for s in group))
 
     def push(self, leases: list[pb.PromptLease], groups: list[TrajectoryGroup]) -> None:
         session = self._session()

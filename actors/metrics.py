@@ -118,15 +118,17 @@ class GenerationLog:
         self._failed = False
 
     def record(self, *, run_id: str, actor_id: int, lease_id: int, prompt_id: int,
-               token_versions: Sequence[Sequence[int]]) -> None:
-        """``token_versions``: per sample, the policy version of each of its tokens."""
+               token_versions: Sequence[Sequence[int]], num_correct: int) -> None:
+        """``token_versions``: per sample, the policy version of each of its tokens; ``num_correct``:
+        samples the verifier judged correct (what a study of selective leasing's predictors reads:
+        bench/fact_signal.py)."""
         flat = [int(v) for sample in token_versions for v in sample]
         if not flat or self._failed:
             return
         line = json.dumps({"run_id": run_id, "actor_id": int(actor_id), "lease_id": int(lease_id),
                            "prompt_id": int(prompt_id), "min_token_version": min(flat),
                            "max_token_version": max(flat), "num_samples": len(token_versions),
-                           "num_tokens": len(flat), "unix_time_s": time.time()})
+                           "num_correct": int(num_correct), "num_tokens": len(flat), "unix_time_s": time.time()})
         try:
             if self._file is None:
                 if not self.run_dir.is_dir():  # checked until it appears: the learner may create it later

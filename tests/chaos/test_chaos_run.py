@@ -118,7 +118,8 @@ def test_staleness_audit_joins_trained_prompts_with_the_actors_generation_record
     elsewhere = GenerationLog(tmp_path / "no-run-folder-on-this-host", "generations-host-3.jsonl")
 
     def rec(gen: GenerationLog, prompt_id: int, versions: list[list[int]]) -> None:
-        gen.record(run_id="r", actor_id=1, lease_id=prompt_id, prompt_id=prompt_id, token_versions=versions)
+        gen.record(run_id="r", actor_id=1, lease_id=prompt_id, prompt_id=prompt_id, token_versions=versions,
+                   num_correct=prompt_id % 2)
 
     rec(elsewhere, 1, [[0]])
     assert not elsewhere.run_dir.exists()
@@ -134,5 +135,5 @@ def test_staleness_audit_joins_trained_prompts_with_the_actors_generation_record
     per_step, missing = actor_staleness(tmp_path, trained, {1: step1, 2: step2, 3: time.time()})
     assert per_step == {1: [0, 0], 2: [0, 1]} and missing == [(3, 5)]
     lines = [json.loads(x) for x in (tmp_path / "logs" / "generations-host-2.jsonl").read_text().splitlines()]
-    assert [(r["prompt_id"], r["min_token_version"], r["max_token_version"], r["num_samples"], r["num_tokens"])
-            for r in lines] == [(2, 0, 0, 1, 3), (3, 1, 2, 2, 4), (4, 2, 2, 1, 1)]
+    assert [(r["prompt_id"], r["min_token_version"], r["max_token_version"], r["num_samples"], r["num_tokens"],
+             r["num_correct"]) for r in lines] == [(2, 0, 0, 1, 3, 0), (3, 1, 2, 2, 4, 1), (4, 2, 2, 1, 1, 0)]
