@@ -9,6 +9,12 @@ which groups were generated, approximately: the cursor's seeded row order of eac
 correct, ``w`` all wrong, ``m`` mixed; a row's groups in epoch order). Then it counts, for each group,
 the signal of the previous group of the same arithmetic fact (``extra_info.fact``, another row or the
 same one; ``-``: none yet) against its own: the share of mixed groups after each.
+
+``--by-correct``: the same question asked of the previous group's number of correct samples (0..G)
+instead of its letter, read from the actors' generation logs (``logs/generations-*.jsonl``, each
+group's ``num_correct``: runs from 2026-12-07 evening on), in the order the groups were generated.
+The letters cannot tell a group with one sample wrong from one with half wrong; this says whether
+that would predict the next group's signal better.
 """
 
 from __future__ import annotations
@@ -51,10 +57,37 @@ def transitions(run_dir: Path) -> Counter:
     return out
 
 
+def transitions_by_correct(run_dir: Path) -> Counter:
+    """(previous group's correct samples of the fact, or -1 for none yet; this group mixed) -> groups."""
+    cfg = json.loads((run_dir / "config.resolved.json").read_text())
+    n = cfg["data"]["builtin_num_train_prompts"]
+    facts = field_values(arith.make_rows("train", n, cfg["run"]["seed"]), "extra_info.fact")
+    records = sorted((json.loads(line) for path in (run_dir / "logs").glob("generations-*.jsonl")
+                      for line in path.read_text().splitlines()), key=lambda r: r["unix_time_s"])
+    if records and "num_correct" not in records[0]:
+        raise SystemExit(f"{run_dir}: its generation logs have no num_correct (a run from before 2026-12-07 evening)")
+    last, out = {}, Counter()
+    for r in records:
+        fact = facts[r["prompt_id"] % n]
+        out[(last.get(fact, -1), 0 < r["num_correct"] < r["num_samples"])] += 1
+        last[fact] = r["num_correct"]
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path)
+    parser.add_argument("--by-correct", action="store_true",
+                        help="by the previous group's correct samples, from the generation logs")
     args = parser.parse_args()
+    if args.by_correct:
+        total = sum((transitions_by_correct(run) for run in args.runs), Counter())
+        print("| the fact's previous group: correct samples | groups | mixed | mixed share |\n|---|---|---|---|")
+        for before in sorted({b for b, _ in total}):
+            groups = total[(before, True)] + total[(before, False)]
+            print(f"| {'none yet' if before < 0 else before} | {groups} | {total[(before, True)]} | "
+                  f"{total[(before, True)] / groups:.3f} |")
+        return 0
     total = sum((transitions(run) for run in args.runs), Counter())
     print("| the fact's previous group | groups | mixed | mixed share |\n|---|---|---|---|")
     for before, name in (("c", "all correct"), ("m", "mixed"), ("w", "all wrong"), ("-", "none yet")):
