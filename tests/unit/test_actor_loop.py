@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import threading
 
 import numpy as np
@@ -593,3 +594,21 @@ def test_environment_error_counts_survive_a_lost_session():
         assert actor.metrics.counters["env_errors"] == 2
     finally:
         actor.close()
+
+
+def test_the_generation_log_counts_each_groups_correct_samples(make_actor, tmp_path):
+    """What bench/fact_signal.py --by-correct reads: per group, the samples the verifier judged correct."""
+    cfg = DapoConfig()
+    cfg.run.run_dir = str(tmp_path)
+    actor, _, _ = make_actor(FakeClient(), cfg=cfg)
+    actor.session = Session(actor_id=4, run_id="r", run=RUN, pusher=None, lost=threading.Event(),
+                            closed=threading.Event())
+    leases = [pb.PromptLease(lease_id=i, prompt_id=10 + i, prompt_token_ids=[1]) for i in (1, 2)]
+
+    def sample(acc: bool) -> Rollout:
+        return Rollout([5, 6], [-0.1, -0.2], [0, 0], "stop", 1.0 if acc else 0.0, acc)
+
+    actor.record_generations(leases, [[sample(True), sample(False), sample(True)], [sample(False)] * 2])
+    actor.generations.close()
+    lines = [json.loads(x) for x in next((tmp_path / "logs").glob("generations-*.jsonl")).read_text().splitlines()]
+    assert [(r["prompt_id"], r["num_samples"], r["num_correct"]) for r in lines] == [(11, 3, 2), (12, 2, 0)]
