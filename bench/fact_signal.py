@@ -32,12 +32,18 @@ from learner.checkpoint import latest_checkpoint
 from learner.ledger import PromptCursor
 
 
+def run_facts(run_dir: Path) -> list[str | None]:
+    """The arithmetic fact of each training row of the run (its seed and row count)."""
+    cfg = json.loads((run_dir / "config.resolved.json").read_text())
+    rows = arith.make_rows("train", cfg["data"]["builtin_num_train_prompts"], cfg["run"]["seed"])
+    return field_values(rows, "extra_info.fact")
+
+
 def transitions(run_dir: Path) -> Counter:
     """(previous signal of the fact, this group's signal) -> groups."""
     ledger = json.loads((latest_checkpoint(run_dir) / "run_state.json").read_text())["coordinator"]
-    cfg = json.loads((run_dir / "config.resolved.json").read_text())
     n = ledger["num_rows"]
-    facts = field_values(arith.make_rows("train", n, cfg["run"]["seed"]), "extra_info.fact")
+    facts = run_facts(run_dir)
     histories = dict(ledger["signals"]) if ledger["format"] >= 3 else {int(r): h for r, h in ledger["signals"].items()}
     generated = set(ledger["trained"]) | set(ledger["filtered"])
     cursor = PromptCursor(n, seed=ledger["seed"], max_epochs=ledger["epoch"] + 1)
@@ -59,16 +65,14 @@ def transitions(run_dir: Path) -> Counter:
 
 def transitions_by_correct(run_dir: Path) -> Counter:
     """(previous group's correct samples of the fact, or -1 for none yet; this group mixed) -> groups."""
-    cfg = json.loads((run_dir / "config.resolved.json").read_text())
-    n = cfg["data"]["builtin_num_train_prompts"]
-    facts = field_values(arith.make_rows("train", n, cfg["run"]["seed"]), "extra_info.fact")
+    facts = run_facts(run_dir)
     records = sorted((json.loads(line) for path in (run_dir / "logs").glob("generations-*.jsonl")
                       for line in path.read_text().splitlines()), key=lambda r: r["unix_time_s"])
     if records and "num_correct" not in records[0]:
         raise SystemExit(f"{run_dir}: its generation logs have no num_correct (a run from before 2026-12-07 evening)")
     last, out = {}, Counter()
     for r in records:
-        fact = facts[r["prompt_id"] % n]
+        fact = facts[r["prompt_id"] % len(facts)]
         out[(last.get(fact, -1), 0 < r["num_correct"] < r["num_samples"])] += 1
         last[fact] = r["num_correct"]
     return out

@@ -15,8 +15,8 @@ registering actor fetched it) may lease, and its groups are admitted (``newest_v
 Selective leasing (``algorithm.selective_leasing``, dapo/selection.py): the ledger keeps each row's
 signal history, or each history key's (``algorithm.selective_history_key``); the replay queue reports
 every settled group's signal; at lease time it skips prompts whose recent groups carried no signal;
-counters ``prompts_skipped/<reason>``,
-``prompts_retired`` and ``prompts_returned``, per-step figures from ``selection_metrics``.
+counters ``prompts_skipped/<reason>``, ``prompts_retired`` and ``prompts_returned``, per-step figures
+from ``selection_metrics``.
 
 Controlled lag (``algorithm.controlled_lag_steps``, learner/lag.py): the lease capacity of an actor
 is also capped by its weights' quota, what the lag's schedule will train from them.
