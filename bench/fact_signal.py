@@ -42,6 +42,9 @@ def run_facts(run_dir: Path) -> list[str | None]:
 def transitions(run_dir: Path) -> Counter:
     """(previous signal of the fact, this group's signal) -> groups."""
     ledger = json.loads((latest_checkpoint(run_dir) / "run_state.json").read_text())["coordinator"]
+    if ledger.get("signals_by"):  # its histories are by that field: no row's own groups to replay
+        raise SystemExit(f"{run_dir}: its ledger keeps histories by {ledger['signals_by']}, not by row; "
+                         "pass a run with algorithm.selective_history_key='' or use --by-correct")
     n = ledger["num_rows"]
     facts = run_facts(run_dir)
     histories = dict(ledger["signals"]) if ledger["format"] >= 3 else {int(r): h for r, h in ledger["signals"].items()}
