@@ -139,3 +139,12 @@ def run_output(argv: list[str], *, timeout_s: float, cwd: Path = ROOT, env: dict
         kill_tree(proc)
         out, _ = proc.communicate()
     return proc.returncode, out.decode(errors="replace")
+
+
+def end_rank() -> None:
+    """End a spawned rank as a learner rank ends (learner/main.py teardown_and_exit): barrier, destroy,
+    os._exit(0). Returning instead aborts now and then at interpreter exit ("terminate called without
+    an active exception": gloo's threads), and mp.spawn fails a test whose work was done."""
+    from learner.main import teardown_and_exit  # not at the top: importing it sets the learner's env
+
+    teardown_and_exit(0)

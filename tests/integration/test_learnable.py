@@ -28,7 +28,7 @@ from dapo import algorithm, rewards
 from dapo.tasks import addition
 from dapo.models import tiny
 from dapo.config import load_config
-from tests.procs import soak_only
+from tests.procs import end_rank, soak_only
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE_DIR = ROOT / ".cache" / "dapo"
@@ -160,8 +160,7 @@ def _learner_rank(rank: int, init_file: str, out_file: str) -> None:
         if (step + 1) % EVAL_EVERY_STEPS == 0:
             curve.append(sampler.accuracy(eval_problems, seed=1234))
     Path(out_file).write_text(json.dumps({"curve": curve, "truncated_seen": truncated_seen, "steps": steps}))
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank()
 
 
 @pytest.mark.slow

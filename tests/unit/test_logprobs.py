@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from learner.logprobs import LogprobHead, chunked_logprobs, install_logprob_head
+from tests.procs import end_rank
 
 K, H, V = 23, 16, 50
 _SUM_KEYS = ("loss", "tokens", "entropy", "clipfrac_high", "clipfrac_low", "dualclip_frac", "approx_kl_k1",
@@ -270,8 +271,7 @@ def _two_rank_worker(rank: int, init_file: str, out_dir: str) -> None:
     runs["one_sequence"] = _one_sequence_step("chunk5_ac")
     if rank == 0:
         torch.save(runs, Path(out_dir) / "two.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank()
 
 
 @pytest.mark.slow

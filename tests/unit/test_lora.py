@@ -15,6 +15,7 @@ from dapo.config import AlgorithmConfig, LearnerConfig, LoraConfig
 from dapo.lora import apply_lora
 from dapo.weights import ADAPTER_PREFIX, is_adapter_tensor
 from learner.batch import scatter_batch
+from tests.procs import end_rank
 from tests.unit.test_trainer import full, random_batch, tiny_model
 
 LORA = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])
@@ -85,8 +86,7 @@ def _worker(rank: int, world: int, init_file: str, budgets: list[int], out_dir: 
             if rank == 0:
                 torch.save({"loss": float(loss), "grads": grads, "micro": shard.num_microbatches,
                             "optimized": optimized}, Path(out_dir) / f"{agg}-w{world}-b{budget}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank()
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from dapo.config import AlgorithmConfig, LearnerConfig
 from dapo.corrections import correct
 from dapo.losses import surrogate_loss
 from learner.batch import SampleBatch, scatter_batch
+from tests.procs import end_rank
 from tests.unit.test_trainer import full, random_batch, tiny_model
 
 pytestmark = pytest.mark.slow
@@ -95,8 +96,7 @@ def _worker(rank: int, world: int, init_file: str, budgets: list[int], out_dir: 
         metrics = trainer.train_step(shard)
         if rank == 0:
             torch.save(metrics, Path(out_dir) / f"{case}-w{world}-step.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank()
 
 
 def _spawn(world: int, budgets: list[int], tmp_path: Path) -> None:

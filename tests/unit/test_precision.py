@@ -13,6 +13,7 @@ import torch
 
 from dapo.hardware import cpu_flags, cpu_has_native_bf16, resolve_model_dtype
 from learner.precision import AUTO_BF16_MIN_PARAMS, resolve_compute_dtype
+from tests.procs import end_rank
 from tests.unit.test_trainer import REF_STEPS, REF_TEMPERATURE, _ref_settings, _ref_shard, local, tiny_model
 
 BF16 = torch.bfloat16
@@ -208,8 +209,7 @@ def _two_rank_bf16_worker(rank: int, world: int, init_file: str, out_dir: str) -
              "state_dtypes": {local(v).dtype for v in state}, "num_state": len(state)}
     if rank == 0:
         torch.save({"metrics": metrics, "facts": facts}, Path(out_dir) / "bf16-w2.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank()
 
 
 @pytest.mark.slow

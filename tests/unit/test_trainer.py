@@ -17,6 +17,7 @@ import torch
 from dapo.algorithm import policy_loss
 from dapo.config import AlgorithmConfig, LearnerConfig
 from learner.batch import PackedMicroBatch, SampleBatch, plan, scatter_batch, shard_local
+from tests.procs import end_rank
 
 VOCAB = 61
 
@@ -122,8 +123,7 @@ def _worker(rank: int, world: int, init_file: str, budgets: list[int], out_dir: 
     metrics = trainer.train_step(shard)
     if rank == 0:
         torch.save(metrics, Path(out_dir) / f"one-w{world}.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank()
 
 
 def _spawn(world: int, budgets: list[int], tmp_path: Path) -> None:
@@ -221,8 +221,7 @@ def _resume_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     sd_a, sd_b = a.full_state_dict(), b.full_state_dict()
     if rank == 0:
         torch.save({"a": sd_a, "b": sd_b, "state": state}, Path(out_dir) / "resume.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank()
 
 
 @pytest.mark.slow
@@ -436,8 +435,7 @@ def _reference_worker(rank: int, world: int, init_file: str, out_dir: str) -> No
     metrics, weights = trainer_training(2, 30)
     if rank == 0:
         torch.save({"metrics": metrics, "weights": weights}, Path(out_dir) / "reference-w2.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank()
 
 
 @pytest.mark.slow
@@ -564,8 +562,7 @@ def _resume_one_rank_checkpoint_worker(rank: int, world: int, init_file: str, ck
     weights = t.full_state_dict()
     if rank == 0:
         torch.save({"weights": weights, "state": state}, Path(out_dir) / "two.pt")
-    dist.barrier()
-    dist.destroy_process_group()
+    end_rank()
 
 
 @pytest.mark.slow
