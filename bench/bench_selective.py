@@ -53,7 +53,11 @@ ARMS = {"off": ["algorithm.selective_leasing=false"], "on": ["algorithm.selectiv
         "fact": ["algorithm.selective_leasing=true", "algorithm.selective_history_key=extra_info.fact"],
         # The same, skipping harder: keep 0.05 after one all-correct group (0.25 above), floor 0.02 (0.05).
         "fact-strict": ["algorithm.selective_leasing=true", "algorithm.selective_history_key=extra_info.fact",
-                        "algorithm.selective_explore_all_correct=0.05", "algorithm.selective_min_keep_prob=0.02"]}
+                        "algorithm.selective_explore_all_correct=0.05", "algorithm.selective_min_keep_prob=0.02"],
+        # By fact, keep 0.05 after an all-correct group (0.25 above) and the floor as it is (0.05): a
+        # solved fact is still re-checked at ~0.23 a pass through its ~5 rows.
+        "fact-c05": ["algorithm.selective_leasing=true", "algorithm.selective_history_key=extra_info.fact",
+                     "algorithm.selective_explore_all_correct=0.05"]}
 HALF = 15
 
 
