@@ -63,9 +63,12 @@ HALF = 15
 
 def run_one(workload: str, arm: str, seed: int, work: Path) -> dict:
     out = work / workload / f"{arm}-seed{seed}.json"
-    if out.exists():
-        return json.loads(out.read_text())
     run_dir = work / workload / f"{arm}-seed{seed}"
+    if out.exists():
+        result = json.loads(out.read_text())
+        if "wait_batch_s_second_half" not in result and (run_dir / "metrics.jsonl").exists():  # added later
+            result["wait_batch_s_second_half"] = second_half_waits(read_metrics(run_dir))
+        return result
     argv = harness.dapo_run_argv([*WORKLOADS[workload], *ARMS[arm], f"run.seed={seed}", f"learner.seed={seed}",
                                   f"actor.seed={seed}", "run.overwrite=true", f"run.cache_dir={harness.CACHE_DIR}"],
                                  run_dir)
@@ -85,7 +88,7 @@ def run_one(workload: str, arm: str, seed: int, work: Path) -> dict:
     error = "" if proc.returncode == 0 else next(
         (ln for ln in reversed((run_dir / "logs" / "learner.log").read_text().splitlines()) if "Error" in ln or
          "Stalled" in ln), f"exit {proc.returncode}")
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    recs = read_metrics(run_dir)
     result = {"workload": workload, "arm": arm, "seed": seed, "error": error, "command_s": command_s,
               "load_before": load_before,
               "load_after": os.getloadavg(),
@@ -142,9 +145,23 @@ def figures(recs: list[dict], t0: float) -> dict:
         # The learner's own seconds (its steps' time/train_s): what no choice of prompts takes away,
         # the floor of the wall time when generation keeps up.
         "learner_train_s": sum(steps[s]["time/train_s"] for s in range(1, last + 1)),
+        "wait_batch_s_second_half": second_half_waits(recs),
         "skipped": skips, "retired": counter(last, "prompts_retired"), "returned": counter(last, "prompts_returned"),
         "generated": counter(last, "leases_completed"), "trained": counter(last, "groups_trained"),
     }
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def second_half_waits(recs: list[dict]) -> float:
+    """The learner's seconds waiting for a batch in the second half (``time/wait_batch_s``): what
+    skipping prompts can take away, and no more. The wall minus these is that of a rule that always
+    kept up with the learner."""
+    steps = {int(r["step"]): r for r in recs if "time/step_s" in r}
+    last = max(steps)
+    return sum(steps[s]["time/wait_batch_s"] for s in range(min(HALF, last // 2) + 1, last + 1))
 
 
 def fmt(x, spec: str = ".2f") -> str:
@@ -160,13 +177,15 @@ def report(rows: list[dict], workload: str) -> str:
                  fmt(r["gen_per_trained_run"])] for r in rows]
     else:
         head = ["arm", "seed", "steps", "generated / trained, steps 1-15", "steps 16-30", "run", "filtered share 16-30",
-                "wall to step 30 (s)", "training (s)", "learner train (s)", "s/step 16-30", "learner idle 16-30",
+                "wall to step 30 (s)", "training (s)", "learner train (s)", "waits for a batch 16-30 (s)",
+                "s/step 16-30", "learner idle 16-30",
                 "held-out 0 / 10 / 20 / 30", "skipped (all correct / all wrong)", "retired / returned",
                 "load (1 min, mean)"]
         body = [[r["arm"], r["seed"], f"{r['steps']}{' (failed)' if r['error'] else ''}",
                  fmt(r["gen_per_trained_first_half"]), fmt(r["gen_per_trained_second_half"]),
                  fmt(r["gen_per_trained_run"]), fmt(r["filtered_fraction_second_half"]), fmt(r["wall_s"], ".0f"),
-                 fmt(r["training_s"], ".0f"), fmt(r.get("learner_train_s"), ".0f"), fmt(r["step_s_second_half"], ".1f"),
+                 fmt(r["training_s"], ".0f"), fmt(r.get("learner_train_s"), ".0f"),
+                 fmt(r.get("wait_batch_s_second_half"), ".0f"), fmt(r["step_s_second_half"], ".1f"),
                  fmt(r["learner_idle_second_half"]),
                  " / ".join(fmt(r["evals"].get(str(s))) for s in (0, 10, 20, 30)),
                  f"{r['skipped'].get('all_correct', 0):.0f} / {r['skipped'].get('all_wrong', 0):.0f}",
