@@ -17,7 +17,8 @@ Figures, all from the run's metrics.jsonl and the launcher's own clock:
   (``groups_trained``), over steps 1-15, 16-30 (the second half) and the whole run, from the
   cumulative counters of the step records.
 - wall: from the command's start to the record of the last step (start-up included); training:
-  from the version-0 record to it.
+  from the version-0 record to it. Learner train: its steps' ``time/train_s``; waits for a batch
+  16-30: its ``time/wait_batch_s`` in the second half (the wall minus them: a rule that kept up).
 - held-out: ``eval/accuracy`` of the records of steps 0, 10, 20, 30 (``--workload default``: the
   wall time to the first held-out accuracy >= 0.8, from the command's start, evaluated every 5 steps).
 - skips by reason, rows retired / returned (coordinator counters at the last step).
