@@ -38,6 +38,8 @@ from pathlib import Path
 
 import harness
 
+from dapo.plots import read_metrics
+
 ROOT = harness.ROOT
 WORKLOADS = {
     "arith": ["experiment=smollm2_arith", "learner.total_steps=30"],
@@ -68,7 +70,7 @@ def run_one(workload: str, arm: str, seed: int, work: Path) -> dict:
     if out.exists():
         result = json.loads(out.read_text())
         if "wait_batch_s_second_half" not in result and (run_dir / "metrics.jsonl").exists():  # added later
-            result["wait_batch_s_second_half"] = second_half_waits(read_metrics(run_dir))
+            result["wait_batch_s_second_half"] = second_half_waits(read_metrics(run_dir / "metrics.jsonl"))
         return result
     argv = harness.dapo_run_argv([*WORKLOADS[workload], *ARMS[arm], f"run.seed={seed}", f"learner.seed={seed}",
                                   f"actor.seed={seed}", "run.overwrite=true", f"run.cache_dir={harness.CACHE_DIR}"],
@@ -89,7 +91,7 @@ def run_one(workload: str, arm: str, seed: int, work: Path) -> dict:
     error = "" if proc.returncode == 0 else next(
         (ln for ln in reversed((run_dir / "logs" / "learner.log").read_text().splitlines()) if "Error" in ln or
          "Stalled" in ln), f"exit {proc.returncode}")
-    recs = read_metrics(run_dir)
+    recs = read_metrics(run_dir / "metrics.jsonl")
     result = {"workload": workload, "arm": arm, "seed": seed, "error": error, "command_s": command_s,
               "load_before": load_before,
               "load_after": os.getloadavg(),
@@ -150,10 +152,6 @@ def figures(recs: list[dict], t0: float) -> dict:
         "skipped": skips, "retired": counter(last, "prompts_retired"), "returned": counter(last, "prompts_returned"),
         "generated": counter(last, "leases_completed"), "trained": counter(last, "groups_trained"),
     }
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
 def second_half_waits(recs: list[dict]) -> float:

@@ -101,10 +101,10 @@ def transitions_by_correct(run_dir: Path) -> Counter:
     return out
 
 
-def replay(run_dir: Path, rule: SelectionRule, near_solved: bool, coins: int = 20) -> tuple[float, float]:
-    """(generated, mixed) per coin seed in steps 16-30 when ``rule`` decides on each fact's history."""
-    facts = run_facts(run_dir)
-    records = generation_records(run_dir)
+def replay(facts: list[str | None], records: list[dict], rule: SelectionRule, near_solved: bool,
+           coins: int = 20) -> tuple[float, float]:
+    """(generated, mixed) per coin seed in steps 16-30 when ``rule`` decides on each fact's history,
+    for a run's ``facts`` (run_facts) and ``records`` (generation_records)."""
     generated = mixed = 0
     for coin in range(coins):
         rng, histories = random.Random(coin), {}
@@ -136,10 +136,11 @@ def main() -> int:
     if args.replay:
         print("| rule (floor 0.05, p_e all-wrong 0.5) | generated, steps 16-30 | mixed | generated per mixed |\n"
               "|---|---|---|---|")
+        runs = [(run_facts(run), generation_records(run)) for run in args.runs]
         for p_e in args.explore_all_correct:
             for near in (False, True):
                 rule = SelectionRule(explore_all_correct=p_e, explore_all_wrong=0.5, min_keep=0.05)
-                gen, mix = (sum(x) for x in zip(*(replay(run, rule, near) for run in args.runs)))
+                gen, mix = (sum(x) for x in zip(*(replay(*run, rule, near) for run in runs)))
                 print(f"| p_e all-correct {p_e}{', G-1 right counts as all correct' if near else ''} | "
                       f"{gen:.0f} | {mix:.0f} | {gen / mix:.2f} |")
         return 0
